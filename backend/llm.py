@@ -1,0 +1,108 @@
+"""The offline API in vLLM's shape: `LLM(...).generate(prompts, params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from itertools import count
+
+from tqdm import tqdm
+
+from tritium.backend.config import EngineConfig, RequestOutput
+from tritium.backend.engine import LLMEngine
+from tritium.backend.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Load a model and generate for batches of prompts through the continuous batcher.
+
+    `model=None` is the embedded default (SmolLM2-135M-Instruct); otherwise a Hugging Face
+    Llama-family folder. Other keyword arguments are EngineConfig fields.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        attention_backend: str = "auto",
+        **kwargs: object,
+    ) -> None:
+        config = EngineConfig(
+            model=model, dtype=dtype, block_size=block_size, kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            attention_backend=attention_backend, **kwargs,  # type: ignore[arg-type]
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = count()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        Raises ValueError for an invalid prompt or parameter before any request is queued."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                if isinstance(prompt, str):
+                    self.engine.add_request(rid, prompt, p)
+                else:
+                    self.engine.add_request(rid, None, p, prompt_token_ids=list(prompt))
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt),  # type: ignore[arg-type]
+                add_special_tokens=False,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(final) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]

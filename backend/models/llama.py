@@ -1,0 +1,132 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch.
+
+Packed tokens, no batch dimension: a step's tokens from all sequences are one `[num_tokens]` row.
+Q/K/V and gate/up projections are fused into one matmul each; attention, norms and rotary go
+through the `AttentionBackend` so the same module runs on the torch references or Triton kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tritium.backend.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3's `llama3` or plain `linear` scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv_freq
+
+
+def build_cos_sin_cache(config: ModelConfig, max_positions: int) -> torch.Tensor:
+    """`[max_positions, head_dim]` fp32: cat(cos, sin) of position * inv_freq."""
+    inv_freq = rope_inv_freq(config)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        h = config.hidden_size
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        ops: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            x = ops.rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            x, residual = ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        qkv = self.qkv_proj(x)
+        n = qkv.shape[0]
+        q = qkv[:, : self.q_size].reshape(n, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = q.contiguous(), k.contiguous()
+        ops.rotary_embedding(q, k, positions, cos_sin_cache)
+        attn = ops.attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        hidden = self.o_proj(attn.reshape(n, self.q_size))
+        x, residual = ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        positions = max_positions or config.max_position_embeddings
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(config, positions), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        ops: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden]` after the final norm."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_cache, meta, ops)
+        hidden, _ = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[rows, vocab]` for the given hidden rows."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,102 @@
+"""Load a Hugging Face Llama-family folder (config.json + safetensors, one file or sharded) into
+`LlamaForCausalLM`, fusing Q/K/V and gate/up weights on the way."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tritium.backend.models.config import ModelConfig, ModelFolderError
+from tritium.backend.models.llama import LlamaForCausalLM, build_cos_sin_cache
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_DIRECT = {
+    "self_attn.o_proj.weight": "o_proj.weight",
+    "mlp.down_proj.weight": "down_proj.weight",
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+}
+_FUSED = {  # HF name -> (our name, part index)
+    "self_attn.q_proj.weight": ("qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("qkv_proj.weight", 2),
+    "self_attn.q_proj.bias": ("qkv_proj.bias", 0),
+    "self_attn.k_proj.bias": ("qkv_proj.bias", 1),
+    "self_attn.v_proj.bias": ("qkv_proj.bias", 2),
+    "mlp.gate_proj.weight": ("gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("gate_up_proj.weight", 1),
+}
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of `folder`. Raises ModelFolderError naming what is missing."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelFolderError(f"model folder {folder} is missing weight shard {f.name} (named in {index.name})")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelFolderError(f"model folder {folder} has no model.safetensors (nor model.safetensors.index.json)")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, st.get_tensor(name)
+
+
+def load_model(
+    folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+) -> LlamaForCausalLM:
+    """Build the model for `folder` with its weights in `dtype` on `device`.
+
+    Raises ModelFolderError for a missing file, an unsupported architecture or missing tensors.
+    """
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    files = weight_files(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=1)
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in iter_tensors(files):
+        tensor = tensor.to(dtype)
+        if name == "model.embed_tokens.weight":
+            state["embed_tokens.weight"] = tensor
+        elif name == "model.norm.weight":
+            state["norm"] = tensor
+        elif name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                state["lm_head.weight"] = tensor
+        elif m := _LAYER.match(name):
+            layer, rest = m.group(1), m.group(2)
+            if rest in _DIRECT:
+                state[f"layers.{layer}.{_DIRECT[rest]}"] = tensor
+            elif rest in _FUSED:
+                target, idx = _FUSED[rest]
+                parts.setdefault(f"layers.{layer}.{target}", {})[idx] = tensor
+    for target, pieces in parts.items():
+        count = 3 if "qkv" in target else 2
+        if len(pieces) != count:
+            raise ModelFolderError(f"model folder {folder}: incomplete weights for {target}")
+        state[target] = torch.cat([pieces[i] for i in range(count)], dim=0)
+    expected = {k for k in model.state_dict() if k != "cos_sin_cache"}
+    missing = sorted(expected - state.keys())
+    if missing:
+        shown = ", ".join(missing[:5])
+        raise ModelFolderError(f"model folder {folder}: weights missing for {shown}")
+    model.load_state_dict(state, strict=False, assign=True)
+    positions = max_positions or config.max_position_embeddings
+    model.cos_sin_cache = build_cos_sin_cache(config, positions)
+    return model.to(device).eval()

@@ -1,0 +1,120 @@
+"""Turn a step's logits into one token per sequence.
+
+Order: logprobs of the raw distribution (when asked), penalties, min_tokens masking, then greedy
+argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling draws exponential noise E and
+takes argmax(p / E), which samples from p; a seeded request draws its noise from its own generator
+so its text does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tritium.backend.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: repetition penalty over prompt+output tokens (divide positive logits, multiply
+    negative ones), presence/frequency penalties over output tokens (OpenAI's definition)."""
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            seen = seen[seen < vocab]
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and seq.num_output_tokens:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long)
+            out = out[out < vocab]
+            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf. top_k <= 0 and top_p >= 1
+    disable them for a row; the most likely token always survives."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+    ranks = torch.arange(vocab, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
+    outside = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    outside[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """`logits` `[len(seqs), vocab]` fp32 on CPU; one token per sequence."""
+        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+        if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
+               or s.params.frequency_penalty != 0.0 for s in seqs):
+            logits = logits.clone()
+            apply_penalties(logits, seqs)
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[row, banned] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            sampled = self._sample([seqs[i] for i in random_rows], logits[random_rows])
+            tokens[random_rows] = sampled
+        token_list = tokens.tolist()
+        if raw_logprobs is not None:
+            for j, row in enumerate(want_logprobs):
+                n = seqs[row].params.logprobs or 0
+                entry = {token_list[row]: float(raw_logprobs[j, token_list[row]])}
+                if n:
+                    top = raw_logprobs[j].topk(n)
+                    for tid, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                        entry.setdefault(tid, lp)
+                logprobs[row] = entry
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = torch.tensor([s.params.top_k for s in seqs])
+        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
+        if bool((top_k > 0).any() or (top_p < 1.0).any()):
+            logits = filter_top_k_top_p(logits, top_k, top_p)
+        min_p = torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype)
+        if bool((min_p > 0).any()):
+            logits = filter_min_p(logits, min_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        # A zero draw would turn a zero probability into NaN, which argmax picks.
+        return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
