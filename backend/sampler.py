@@ -66,6 +66,7 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """`logits` `[len(seqs), vocab]` fp32 on CPU; one token per sequence."""
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)

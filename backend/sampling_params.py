@@ -39,8 +39,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self._validate()

@@ -66,6 +66,11 @@ class ModelConfig:
         rope_scaling = raw.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
+        max_positions = int(raw.get("max_position_embeddings", 2048))
+        window = raw.get("sliding_window")
+        if window and (arch != "Qwen2ForCausalLM" or raw.get("use_sliding_window")):
+            # Attention here is full; a context within the window is exactly what the model saw.
+            max_positions = min(max_positions, int(window))
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -77,7 +82,7 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rope_scaling=rope_scaling,

@@ -41,7 +41,9 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
-                raise ModelFolderError(f"model folder {folder} is missing weight shard {f.name} (named in {index.name})")
+                raise ModelFolderError(
+                    f"model folder {folder} is missing weight shard {f.name} (named in {index.name})"
+                )
         return files
     single = folder / "model.safetensors"
     if single.is_file():
