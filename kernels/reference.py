@@ -67,10 +67,6 @@ def prefill_attention(
             continue
         k = gather_context(key_cache, block_tables[i], context_len)
         v = gather_context(value_cache, block_tables[i], context_len)
-        # Query row j sits at position context_len - num_q + j and sees keys 0..that position.
-        q_pos = torch.arange(context_len - num_q, context_len, device=q.device)
-        k_pos = torch.arange(context_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
         qi = q[start:end].transpose(0, 1)  # [heads, num_q, d]
         ki = k.transpose(0, 1)
         vi = v.transpose(0, 1)
@@ -78,7 +74,13 @@ def prefill_attention(
             group = num_heads // num_kv_heads
             ki = ki.repeat_interleave(group, dim=0)
             vi = vi.repeat_interleave(group, dim=0)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        if num_q == context_len:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:
+            # Query row j sits at position context_len - num_q + j and sees keys 0..that position.
+            q_pos = torch.arange(context_len - num_q, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
 
@@ -93,29 +95,28 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query row per sequence `[num_seqs, num_heads, head_dim]` against its whole paged context.
 
-    Returns `[num_seqs, num_heads, head_dim]` in `q`'s dtype.
+    Returns `[num_seqs, num_heads, head_dim]` in `q`'s dtype. Computes in fp32.
     """
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(seq_lens.max())
-    max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].long()
-    # [num_seqs, max_len, kv_heads, d] -> [num_seqs, kv_heads, max_len, d]
-    k = key_cache[table].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    v = value_cache[table].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    k = k[:, :max_len].transpose(1, 2)
-    v = v[:, :max_len].transpose(1, 2)
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale  # [s, kvh, group, max_len]
-    positions = torch.arange(max_len, device=q.device)
-    valid = positions[None, :] < seq_lens[:, None].to(q.device)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())  # [s, kvh, group, d]
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    ctx = max_blocks * block_size
+    blocks = block_tables[:, :max_blocks].reshape(-1).long()
+    # One gather per cache; per KV head, the [seq, pos, d] slices feed bmm without further copies.
+    k = key_cache.index_select(0, blocks).view(num_seqs, ctx, num_kv_heads, head_dim).float()
+    v = value_cache.index_select(0, blocks).view(num_seqs, ctx, num_kv_heads, head_dim).float()
+    positions = torch.arange(ctx, device=q.device)
+    bias = torch.zeros(num_seqs, 1, ctx, device=q.device)
+    bias.masked_fill_(positions[None, None, :] >= seq_lens.to(q.device)[:, None, None], float("-inf"))
+    qg = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim)
+    out = torch.empty(num_kv_heads, num_seqs, group, head_dim, device=q.device)
+    for h in range(num_kv_heads):
+        scores = torch.baddbmm(bias, qg[:, h], k[:, :, h].transpose(1, 2))  # [seqs, group, ctx]
+        torch.bmm(scores.softmax(dim=-1), v[:, :, h], out=out[h])
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def rms_norm(
@@ -153,15 +154,19 @@ def rotary_embedding(
     cos = cos_sin[:, None, :half]
     sin = cos_sin[:, None, half:]
     for t in (q, k):
-        x1 = t[..., :half].float()
-        x2 = t[..., half:rot_dim].float()
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        t[..., :half] = o1.to(t.dtype)
-        t[..., half:rot_dim] = o2.to(t.dtype)
+        if t.dtype == torch.float32:
+            x1, x2 = t[..., :half], t[..., half:rot_dim]
+            first = x1 * cos - x2 * sin
+            x2.mul_(cos).add_(x1 * sin)
+            x1.copy_(first)
+        else:
+            x1 = t[..., :half].float()
+            x2 = t[..., half:rot_dim].float()
+            t[..., :half] = (x1 * cos - x2 * sin).to(t.dtype)
+            t[..., half:rot_dim] = (x2 * cos + x1 * sin).to(t.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
     d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+    return F.silu(x[..., :d]).mul_(x[..., d:])

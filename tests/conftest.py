@@ -33,6 +33,9 @@ def _save_tiny(kind: str, dest: Path, tokenizer_from: Path, shard: bool = False,
     if kind == "llama":
         config = transformers.LlamaConfig(tie_word_embeddings=False, rope_theta=10000.0, **common)
         cls = transformers.LlamaForCausalLM
+    elif kind == "mistral":
+        config = transformers.MistralConfig(tie_word_embeddings=False, sliding_window=None, **common)
+        cls = transformers.MistralForCausalLM
     else:
         config = transformers.Qwen2Config(tie_word_embeddings=True, rope_theta=1000000.0, **common)
         cls = transformers.Qwen2ForCausalLM

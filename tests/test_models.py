@@ -109,6 +109,7 @@ def test_missing_shard_is_named(tmp_path: Path, tiny_llama_sharded_path: Path) -
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     ("llama", {"num_key_value_heads": 1, "head_dim": 32}),
+    ("mistral", {}),
 ])
 def test_config_variants_match_transformers(make_llm: Callable[..., LLM], tmp_path: Path, default_model_path: Path,
                                             kind: str, overrides: dict) -> None:

@@ -49,6 +49,24 @@ def build_cos_sin_cache(config: ModelConfig, max_positions: int) -> torch.Tensor
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
+def cpu_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class CpuPackedLinear(nn.Module):
+    """An fp32 linear whose weight oneDNN packs once at load time. On CPUs this is about twice as
+    fast as `F.linear` for the small row counts of decode steps, which otherwise repack the weight
+    on every call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -107,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head: CpuPackedLinear | None = None
         positions = max_positions or config.max_position_embeddings
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(config, positions), persistent=False)
 
@@ -128,5 +147,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[rows, vocab]` for the given hidden rows."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Swap every projection for a CpuPackedLinear (fp32 on CPU only)."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                linear = getattr(layer, name)
+                setattr(layer, name, CpuPackedLinear(linear.weight, linear.bias))
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = CpuPackedLinear(weight, None)

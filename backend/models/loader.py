@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from tritium.backend.models.config import ModelConfig, ModelFolderError
-from tritium.backend.models.llama import LlamaForCausalLM, build_cos_sin_cache
+from tritium.backend.models.llama import LlamaForCausalLM, build_cos_sin_cache, cpu_packing_available
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _DIRECT = {
@@ -101,4 +101,7 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     positions = max_positions or config.max_position_embeddings
     model.cos_sin_cache = build_cos_sin_cache(config, positions)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cpu" and dtype == torch.float32 and cpu_packing_available():
+        model.pack_for_cpu()
+    return model

@@ -1,0 +1,140 @@
+"""Offline throughput: tritium's continuous batcher against transformers' `generate`, one run.
+
+Workload: N requests with prompt lengths spread evenly over [min_prompt, max_prompt] tokens
+(random non-special token ids, fixed seed), `output_len` new tokens each, greedy, ignore_eos.
+transformers runs them one at a time and in static batches of 8 (left padding).
+Results: a table on stdout, `offline.json` and `offline.png` in `out_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tritium.backend import LLM, SamplingParams
+from tritium.backend.models.registry import resolve_model
+
+
+@dataclass
+class BenchResult:
+    name: str
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, first_normal_id: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [round(lo + (hi - lo) * i / max(1, n - 1)) for i in range(n)]
+    return [torch.randint(first_normal_id, vocab, (n_tok,), generator=g).tolist() for n_tok in lengths]
+
+
+def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int) -> tuple[BenchResult, dict]:
+    llm = LLM(None, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    stats = llm.engine.stats
+    base_steps, base_step_s, base_model_s = stats.steps, stats.step_s, stats.model_s
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - t0
+    steps = stats.steps - base_steps
+    step_s, model_s = stats.step_s - base_step_s, stats.model_s - base_model_s
+    overhead = {
+        "steps": steps,
+        "step_ms_avg": 1000 * step_s / steps,
+        "model_ms_avg": 1000 * model_s / steps,
+        "overhead_ms_avg": 1000 * (step_s - model_s) / steps,
+        "overhead_fraction": (step_s - model_s) / step_s,
+    }
+    return BenchResult("tritium", sum(len(o.token_ids) for o in outs), seconds), overhead
+
+
+def bench_transformers(prompts: list[list[int]], output_len: int, batch_size: int) -> BenchResult:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad = model.generation_config.pad_token_id or 0
+    total = 0
+    t0 = time.perf_counter()
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for batch in tqdm(batches, desc=f"transformers batch={batch_size}", unit="batch"):
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        total += (out.shape[1] - width) * len(batch)
+    return BenchResult(f"transformers batch={batch_size}", total, time.perf_counter() - t0)
+
+
+def plot(results: list[BenchResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r.name for r in results]
+    values = [r.tokens_per_s for r in results]
+    bars = ax.barh(names, values, color=["#c0392b" if n == "tritium" else "#7f8c8d" for n in names])
+    ax.bar_label(bars, fmt="%.1f tok/s", padding=3)
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.set_title("Offline throughput, SmolLM2-135M fp32, CPU")
+    ax.set_xlim(0, max(values) * 1.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_offline_benchmark(
+    num_requests: int = 32,
+    output_len: int = 128,
+    min_prompt: int = 32,
+    max_prompt: int = 256,
+    skip_transformers: bool = False,
+    out_dir: str = "bench_results",
+    max_num_seqs: int = 64,
+) -> dict:
+    """Run the benchmark, print the table and ratios, write JSON + PNG; returns the JSON dict."""
+    prompts = make_prompts(num_requests, min_prompt, max_prompt, vocab=49152, first_normal_id=17)
+    results = []
+    tritium, overhead = bench_tritium(prompts, output_len, max_num_seqs)
+    results.append(tritium)
+    if not skip_transformers:
+        results.append(bench_transformers(prompts, output_len, batch_size=1))
+        results.append(bench_transformers(prompts, output_len, batch_size=8))
+    print(f"\n{num_requests} requests, prompts {min_prompt}-{max_prompt} tokens, {output_len} new tokens each")
+    print(f"{'engine':<24}{'tokens':>8}{'seconds':>10}{'tok/s':>10}{'tritium x':>11}")
+    for r in results:
+        ratio = tritium.tokens_per_s / r.tokens_per_s
+        print(f"{r.name:<24}{r.output_tokens:>8}{r.seconds:>10.1f}{r.tokens_per_s:>10.1f}{ratio:>10.2f}x")
+    print(
+        f"tritium per step: {overhead['step_ms_avg']:.1f} ms, of which model {overhead['model_ms_avg']:.1f} ms and "
+        f"Python overhead {overhead['overhead_ms_avg']:.2f} ms ({100 * overhead['overhead_fraction']:.1f}%)"
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "workload": {"num_requests": num_requests, "output_len": output_len, "min_prompt": min_prompt,
+                     "max_prompt": max_prompt, "greedy": True, "ignore_eos": True},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()},
+        "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+        "tritium_step_overhead": overhead,
+    }
+    (out / "offline.json").write_text(json.dumps(report, indent=2))
+    plot(results, out / "offline.png")
+    print(f"wrote {out / 'offline.json'} and {out / 'offline.png'}")
+    return report
