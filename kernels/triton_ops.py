@@ -1,0 +1,8 @@
+"""The Triton implementations of the kernel interface (DESIGN.md), as one module the `triton`
+attention backend binds to. Same names and signatures as `tritium.kernels.reference`."""
+
+from tritium.kernels.decode_attention import decode_attention
+from tritium.kernels.elementwise import rms_norm, rotary_embedding, silu_and_mul, store_kv
+from tritium.kernels.prefill_attention import prefill_attention
+
+__all__ = ["decode_attention", "prefill_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv"]
