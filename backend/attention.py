@@ -30,6 +30,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks] int32
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefill_seqs + 1] int32, relative to the prefill rows
     prefill_seq_lens: torch.Tensor  # [num_prefill_seqs] int32
+    prefill_max_query_len: int = 0  # longest query run among the prefill sequences
 
 
 class AttentionBackend:
@@ -62,7 +63,7 @@ class AttentionBackend:
         if nd == 0:
             return self.ops.prefill_attention(
                 q, key_cache, value_cache, meta.prefill_block_tables,
-                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
+                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, meta.prefill_max_query_len,
             )
         out = torch.empty_like(q)
         out[:nd] = self.ops.decode_attention(
@@ -70,7 +71,7 @@ class AttentionBackend:
         )
         out[nd:] = self.ops.prefill_attention(
             q[nd:], key_cache, value_cache, meta.prefill_block_tables,
-            meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
+            meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, meta.prefill_max_query_len,
         )
         return out
 

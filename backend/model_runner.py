@@ -86,6 +86,7 @@ class ModelRunner:
             prefill_seq_lens=torch.tensor(
                 [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], dtype=torch.int32, device=dev
             ),
+            prefill_max_query_len=max((s.num_new_tokens for s in prefills), default=0),
         )
         rows = [last_row[id(s)] for s in batch if s.samples]
         return PreparedBatch(

@@ -54,6 +54,13 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from tritium.client.bench_kernels import run_kernel_benchmark
+
+    run_kernel_benchmark(out_dir=args.out_dir, smoke=args.smoke)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritium", description="tritium LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_offline)
+    p = bench.add_parser("kernels", help="Triton kernels vs torch SDPA / paged gather (CUDA)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, to test the script")
+    p.add_argument("--out-dir", default="bench_results")
+    p.set_defaults(func=cmd_bench_kernels)
     return parser
 
 
@@ -93,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -48,12 +48,14 @@ def prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query rows against their paged contexts.
 
     Sequence i owns rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]` of `q` `[num_tokens, num_heads, head_dim]`;
     they are the last positions of a context of `seq_lens[i]` tokens whose K/V are already cached.
-    Returns `[num_tokens, num_heads, head_dim]` in `q`'s dtype.
+    Returns `[num_tokens, num_heads, head_dim]` in `q`'s dtype. `max_query_len` (the longest run of
+    query rows) is only a launch hint for the Triton kernel; the reference ignores it.
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]

@@ -147,3 +147,12 @@ def test_decode_attention_several_splits(num_splits: int) -> None:
 @pytest.mark.parametrize("head_dim,block_size", [(128, 32), (256, 64), (32, 16)])
 def test_decode_attention_shapes(head_dim: int, block_size: int) -> None:
     run_decode(torch.float16, 2, 1, head_dim, block_size, lens=[block_size + 1, 5], num_splits=2)
+
+
+def test_kernel_benchmark_script_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tritium.client.bench_kernels import run_kernel_benchmark
+
+    report = run_kernel_benchmark(out_dir=str(tmp_path), smoke=True)
+    assert (tmp_path / "kernels.json").is_file() and (tmp_path / "kernels.png").stat().st_size > 1000
+    assert all(p["tritium_tflops"] > 0 for p in report["prefill"])
+    assert all(d["tritium_gbs"] > 0 and d["torch_gather_gbs"] > 0 for d in report["decode"])

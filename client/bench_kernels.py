@@ -1,0 +1,191 @@
+"""Kernel benchmark (CUDA): prefill TFLOP/s next to torch SDPA (flash), decode GB/s next to the GPU's
+peak bandwidth and to a torch paged-gather baseline. Writes `kernels.json` and `kernels.png`.
+
+`--smoke` runs tiny shapes on the CPU (TRITON_INTERPRET=1) to check the script itself; its numbers
+mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tritium.kernels import reference
+
+# Peak HBM bandwidth (GB/s) from the vendors' data sheets, matched against the device name.
+PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
+                      "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600}
+
+
+@dataclass
+class PrefillPoint:
+    head_dim: int
+    batch: int
+    seqlen: int
+    tritium_tflops: float
+    sdpa_flash_tflops: float | None
+
+
+@dataclass
+class DecodePoint:
+    head_dim: int
+    batch: int
+    context: int
+    tritium_gbs: float
+    torch_gather_gbs: float
+    peak_gbs: float | None
+
+
+def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60))
+
+
+def peak_bandwidth(name: str) -> float | None:
+    for key, value in PEAK_BANDWIDTH_GBS.items():
+        if key in name:
+            return float(value)
+    return None
+
+
+def paged_cache(lengths: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+                block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches holding every sequence, with blocks scattered by a permutation."""
+    blocks = [-(-n // block_size) for n in lengths]
+    total = sum(blocks)
+    key_cache = torch.randn(total, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    value_cache = torch.randn_like(key_cache)
+    perm = torch.randperm(total, device=device).to(torch.int32)
+    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    return key_cache, value_cache, table
+
+
+def bench_prefill(ops, device: str, dtype: torch.dtype, head_dim: int, batch: int, seqlen: int,
+                  smoke: bool) -> PrefillPoint:
+    heads = 2048 // head_dim if not smoke else 2
+    kv_heads = max(1, heads // 4)
+    k_cache, v_cache, table = paged_cache([seqlen] * batch, kv_heads, head_dim, dtype, device)
+    q = torch.randn(batch * seqlen, heads, head_dim, dtype=dtype, device=device)
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    ms = _time_ms(lambda: ops.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale), smoke)
+    flops = 4 * batch * heads * seqlen * seqlen * head_dim / 2  # causal: half the score matrix
+    sdpa = None
+    if device == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qs = torch.randn(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
+        ks = torch.randn_like(qs)
+        vs = torch.randn_like(qs)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa_ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+                               smoke)
+        sdpa = flops / sdpa_ms / 1e9
+    return PrefillPoint(head_dim, batch, seqlen, flops / ms / 1e9, sdpa)
+
+
+def bench_decode(ops, device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
+                 peak: float | None, smoke: bool) -> DecodePoint:
+    heads = 2048 // head_dim if not smoke else 2
+    kv_heads = max(1, heads // 4)
+    k_cache, v_cache, table = paged_cache([context] * batch, kv_heads, head_dim, dtype, device)
+    q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    ms = _time_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
+    base_ms = _time_ms(lambda: reference.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
+    return DecodePoint(head_dim, batch, context, kv_bytes / ms / 1e6, kv_bytes / base_ms / 1e6, peak)
+
+
+def plot(prefill: list[PrefillPoint], decode: list[DecodePoint], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for hd in sorted({p.head_dim for p in prefill}):
+        pts = sorted((p for p in prefill if p.head_dim == hd and p.batch == 1), key=lambda p: p.seqlen)
+        ax1.plot([p.seqlen for p in pts], [p.tritium_tflops for p in pts], "o-", label=f"tritium d={hd}")
+        if any(p.sdpa_flash_tflops for p in pts):
+            ax1.plot([p.seqlen for p in pts], [p.sdpa_flash_tflops for p in pts], "s--", label=f"SDPA flash d={hd}")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("sequence length (batch 1, causal)")
+    ax1.set_ylabel("TFLOP/s")
+    ax1.set_title("prefill attention")
+    ax1.legend()
+    context = max(d.context for d in decode)
+    for hd in sorted({d.head_dim for d in decode}):
+        pts = sorted((d for d in decode if d.head_dim == hd and d.context == context), key=lambda d: d.batch)
+        ax2.plot([d.batch for d in pts], [d.tritium_gbs for d in pts], "o-", label=f"tritium d={hd}")
+        ax2.plot([d.batch for d in pts], [d.torch_gather_gbs for d in pts], "s--", label=f"torch gather d={hd}")
+    peak = next((d.peak_gbs for d in decode if d.peak_gbs), None)
+    if peak:
+        ax2.axhline(peak, color="gray", linestyle=":", label=f"peak {peak:.0f} GB/s")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel(f"batch (context {context})")
+    ax2.set_ylabel("KV read GB/s")
+    ax2.set_title("paged decode attention")
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_kernel_benchmark(out_dir: str = "bench_results", smoke: bool = False) -> dict:
+    """Run the grid, print tables, write JSON + PNG. Raises RuntimeError without CUDA (unless smoke)."""
+    if smoke:
+        device, dtype = "cpu", torch.float32
+        prefill_grid = [(64, 1, 32), (64, 1, 64)]
+        decode_grid = [(64, 1, 64), (64, 2, 64)]
+    else:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the kernel benchmark needs a CUDA GPU (use --smoke to check the script on a CPU)")
+        device, dtype = "cuda", torch.bfloat16
+        prefill_grid = [(hd, b, s) for hd in (64, 128) for b, s in
+                        ((1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (4, 2048), (16, 1024))]
+        decode_grid = [(hd, b, c) for hd in (64, 128) for b in (1, 8, 32, 64, 128) for c in (1024, 4096)]
+    from tritium.kernels import triton_ops
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
+    peak = peak_bandwidth(name) if device == "cuda" else None
+    prefill = [bench_prefill(triton_ops, device, dtype, hd, b, s, smoke)
+               for hd, b, s in tqdm(prefill_grid, desc="prefill", unit="shape")]
+    decode = [bench_decode(triton_ops, device, dtype, hd, b, c, peak, smoke)
+              for hd, b, c in tqdm(decode_grid, desc="decode", unit="shape")]
+    print(f"\n{name}, {dtype}")
+    print(f"{'prefill':<8}{'d':>5}{'batch':>7}{'seqlen':>8}{'tritium TF/s':>14}{'SDPA TF/s':>11}{'ratio':>7}")
+    for p in prefill:
+        ratio = f"{p.tritium_tflops / p.sdpa_flash_tflops:.2f}" if p.sdpa_flash_tflops else "-"
+        sdpa = f"{p.sdpa_flash_tflops:.1f}" if p.sdpa_flash_tflops else "-"
+        print(f"{'':<8}{p.head_dim:>5}{p.batch:>7}{p.seqlen:>8}{p.tritium_tflops:>14.1f}{sdpa:>11}{ratio:>7}")
+    print(f"{'decode':<8}{'d':>5}{'batch':>7}{'context':>8}{'tritium GB/s':>14}{'gather GB/s':>12}{'% peak':>8}")
+    for d in decode:
+        pct = f"{100 * d.tritium_gbs / d.peak_gbs:.0f}" if d.peak_gbs else "-"
+        print(f"{'':<8}{d.head_dim:>5}{d.batch:>7}{d.context:>8}{d.tritium_gbs:>14.0f}{d.torch_gather_gbs:>12.0f}{pct:>8}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": name, "dtype": str(dtype), "peak_gbs": peak,
+              "prefill": [asdict(p) for p in prefill], "decode": [asdict(d) for d in decode]}
+    (out / "kernels.json").write_text(json.dumps(report, indent=2))
+    plot(prefill, decode, out / "kernels.png", f"tritium kernels on {name}")
+    print(f"wrote {out / 'kernels.json'} and {out / 'kernels.png'}")
+    return report
