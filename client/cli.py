@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+
+def default_repository() -> Path:
+    from tritium.client.triton_server import PACKAGE_REPOSITORY
+
+    return PACKAGE_REPOSITORY
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -61,6 +69,48 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tritium.client.triton_server import ServerOptions, TritonServer
+
+    options = ServerOptions(
+        model_repository=Path(args.model_repository).resolve(), host=args.host, http_port=args.http_port,
+        grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
+        model_control=args.model_control, load_models=args.load_model or [], log_verbose=args.log_verbose,
+    )
+    server = TritonServer(options)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting tritonserver on {options.model_repository} ...", flush=True)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    key_header = ' -H "x-api-key: $TRITIUM_API_KEY"' if options.api_key else ""
+    print(
+        f"tritium is serving\n  HTTP:    {server.http_url}\n  gRPC:    {server.grpc_url}\n"
+        f"  metrics: {server.metrics_url}\n"
+        f"  auth:    {'x-api-key required for inference and model control' if options.api_key else 'none'}\n\n"
+        f"try:\n  curl -s{key_header} {server.http_url}/v2/models/tritium/generate \\\n"
+        "    -d '{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, \"temperature\": 0}'\n"
+        "Ctrl-C stops the server.",
+        flush=True,
+    )
+    while not stop.is_set():
+        if server.process is not None and server.process.poll() is not None:
+            print(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+            server.stop()
+            return 1
+        stop.wait(0.5)
+    print("stopping ...", flush=True)
+    server.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritium", description="tritium LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the model repository with a real tritonserver")
+    p.add_argument("--model-repository", default=str(default_repository()))
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--api-key", default=os.environ.get("TRITIUM_API_KEY"),
+                   help="require this x-api-key for inference and model control (default: $TRITIUM_API_KEY)")
+    p.add_argument("--model-control", choices=["none", "explicit"], default="none")
+    p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("offline", help="offline throughput: tritium vs transformers")

@@ -1,0 +1,78 @@
+"""tritium's custom metrics on Triton's metrics port, through the python backend's MetricFamily."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tritium.backend.config import RequestOutput
+from tritium.backend.engine import LLMEngine
+from tritium.backend.serving.engine_loop import Job
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+class EngineMetrics:
+    """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption and prefix
+    hit counters; running/waiting/KV-usage gauges. Labelled with the model name and version."""
+
+    def __init__(self, pb_utils: Any, model: str, version: str) -> None:
+        family = pb_utils.MetricFamily
+        labels = {"model": model, "version": version}
+        self._families: list[Any] = []  # a family must outlive its metrics
+
+        def metric(name: str, description: str, kind: Any, **kwargs: Any) -> Any:
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1].Metric(labels=labels, **kwargs)
+
+        hist, counter, gauge = family.HISTOGRAM, family.COUNTER, family.GAUGE
+        self.ttft = metric("tritium_time_to_first_token_seconds", "Time to first token", hist,
+                           buckets=LATENCY_BUCKETS)
+        self.itl = metric("tritium_inter_token_latency_seconds", "Time between streamed tokens", hist,
+                          buckets=LATENCY_BUCKETS)
+        self.e2e = metric("tritium_e2e_request_latency_seconds", "Request latency, arrival to final token", hist,
+                          buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = metric("tritium_prompt_tokens_total", "Prompt tokens of finished requests", counter)
+        self.generation_tokens = metric("tritium_generation_tokens_total", "Generated tokens", counter)
+        self.running = metric("tritium_num_requests_running", "Requests in the running batch", gauge)
+        self.waiting = metric("tritium_num_requests_waiting", "Requests waiting to be scheduled", gauge)
+        self.kv_usage = metric("tritium_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", gauge)
+        self.kv_used_blocks = metric("tritium_kv_cache_used_blocks", "KV cache blocks in use", gauge)
+        self.preemptions = metric("tritium_num_preemptions_total", "Sequences preempted for lack of KV blocks",
+                                  counter)
+        self.prefix_hits = metric("tritium_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix "
+                                  "cache", counter)
+        self.prefix_queries = metric("tritium_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the "
+                                     "prefix cache", counter)
+        self._seen_preemptions = 0
+        self._seen_hits = 0
+        self._seen_queries = 0
+
+    def on_output(self, job: Job, output: RequestOutput, now: float) -> None:
+        new = len(output.delta_token_ids)
+        if new:
+            if job.first_token_at is None:
+                self.ttft.observe(now - job.arrival)
+                job.first_token_at = now
+            elif job.last_token_at is not None:
+                self.itl.observe((now - job.last_token_at) / new)
+            job.last_token_at = now
+            self.generation_tokens.increment(new)
+        if output.finished:
+            self.e2e.observe(now - job.arrival)
+            self.prompt_tokens.increment(output.num_input_tokens)
+
+    def on_step(self, engine: LLMEngine) -> None:
+        sched, blocks = engine.scheduler, engine.block_manager
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(blocks.usage)
+        self.kv_used_blocks.set(blocks.num_blocks - blocks.num_free_blocks)
+        if sched.num_preemptions > self._seen_preemptions:
+            self.preemptions.increment(sched.num_preemptions - self._seen_preemptions)
+            self._seen_preemptions = sched.num_preemptions
+        if blocks.prefix_hit_tokens > self._seen_hits:
+            self.prefix_hits.increment(blocks.prefix_hit_tokens - self._seen_hits)
+            self._seen_hits = blocks.prefix_hit_tokens
+        if blocks.prefix_queried_tokens > self._seen_queries:
+            self.prefix_queries.increment(blocks.prefix_queried_tokens - self._seen_queries)
+            self._seen_queries = blocks.prefix_queried_tokens

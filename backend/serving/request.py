@@ -1,0 +1,147 @@
+"""Parse and validate one Triton request for the text model (vLLM backend's I/O contract).
+
+Pure functions over plain values (numpy arrays, dicts), so they are testable without a server. Every
+problem raises ValueError naming the field and the rule; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from tritium.backend.sampling_params import SamplingParams
+
+MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: longer prompts are refused before tokenization
+_PARAM_FIELDS = {f.name: f for f in fields(SamplingParams)}
+_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+_BOOL_FIELDS = {"include_stop_str_in_output", "ignore_eos", "skip_special_tokens"}
+_LIST_FIELDS = {"stop", "stop_token_ids"}
+FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+               "return_num_output_tokens", "return_logprobs")
+
+
+@dataclass
+class TextRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Numbers may arrive as strings (genai-perf sends them so) and lists as JSON strings."""
+    if name in _INT_FIELDS and isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if name in _INT_FIELDS and isinstance(value, float) and value.is_integer() and math.isfinite(value):
+        return int(value)
+    if name in _FLOAT_FIELDS and isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if name in _BOOL_FIELDS:
+        return _as_bool(name, value)
+    if name in _LIST_FIELDS and isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"{name} must be a list or a JSON list, got {value!r}") from None
+        if name == "stop":
+            return [value]
+        raise ValueError(f"{name} must be a list or a JSON list, got {value!r}")
+    return value
+
+
+def sampling_from_dict(raw: dict[str, Any], strict: bool = True) -> SamplingParams:
+    """SamplingParams from JSON-ish values. With `strict`, unknown keys are an error; otherwise
+    they are left out (the caller handles them)."""
+    unknown = sorted(set(raw) - set(_PARAM_FIELDS))
+    if unknown and strict:
+        raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
+    values = {k: _coerce(k, v) for k, v in raw.items() if k in _PARAM_FIELDS and v is not None}
+    return SamplingParams.from_dict(values)
+
+
+def parse_sampling_json(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling_parameters must be a JSON object: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"sampling_parameters must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def scalar(name: str, array: np.ndarray | None) -> Any:
+    """The single element of an input tensor (shape [1] or [1, 1]), or None when absent."""
+    if array is None:
+        return None
+    if array.size != 1:
+        raise ValueError(f"{name} must hold exactly one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def decode_text(name: str, value: Any) -> str:
+    if isinstance(value, bytes):
+        if len(value) > MAX_PROMPT_BYTES:
+            raise ValueError(f"{name} is {len(value)} bytes; the limit is {MAX_PROMPT_BYTES} bytes")
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name} is not valid UTF-8 (byte {exc.start})") from None
+    if isinstance(value, str):
+        if len(value.encode("utf-8")) > MAX_PROMPT_BYTES:
+            raise ValueError(f"{name} is longer than the limit of {MAX_PROMPT_BYTES} bytes")
+        return value
+    raise ValueError(f"{name} must be a string (BYTES tensor), got {type(value).__name__}")
+
+
+def parse_text_request(inputs: dict[str, np.ndarray | None], parameters: dict[str, Any]) -> TextRequest:
+    """Build a TextRequest from the request's input arrays (None when absent) and its Triton
+    parameters (a dict of scalars). Sampling fields may come from `sampling_parameters` (JSON) and
+    from the parameters; the parameters win. Raises ValueError on any problem."""
+    raw_text = scalar("text_input", inputs.get("text_input"))
+    if raw_text is None:
+        raise ValueError("text_input is required")
+    prompt = decode_text("text_input", raw_text)
+    if not prompt:
+        raise ValueError("text_input must not be empty")
+    sampling: dict[str, Any] = {}
+    raw_sampling = scalar("sampling_parameters", inputs.get("sampling_parameters"))
+    if raw_sampling is not None:
+        sampling.update(parse_sampling_json(decode_text("sampling_parameters", raw_sampling)))
+    flags = {name: _as_bool(name, v) for name in FLAG_INPUTS if (v := scalar(name, inputs.get(name))) is not None}
+    for key, value in parameters.items():
+        if key.startswith("triton_"):
+            continue  # client/transport settings such as triton_enable_empty_final_response
+        if key in FLAG_INPUTS:
+            flags[key] = _as_bool(key, value)
+        elif key in _PARAM_FIELDS:
+            sampling[key] = value
+        else:
+            raise ValueError(f"unknown request parameter {key!r}")
+    return TextRequest(prompt=prompt, params=sampling_from_dict(sampling), **flags)

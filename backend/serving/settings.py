@@ -1,0 +1,33 @@
+"""Engine settings of one model version: `<model>/<version>/model.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tritium.backend.config import EngineConfig
+
+
+@dataclass
+class ServingSettings:
+    engine: EngineConfig
+    request_timeout_s: float | None  # abort requests still running after this long (None: never)
+
+
+def load_settings(version_dir: str | Path) -> ServingSettings:
+    """Read `model.json` of a version folder. `model` may be null (the embedded default), an absolute
+    path, or a path relative to the version folder. Raises ValueError for unknown keys."""
+    version_dir = Path(version_dir)
+    path = version_dir / "model.json"
+    raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    timeout = raw.pop("request_timeout_s", None)
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    model = raw.get("model")
+    if model and not Path(model).expanduser().is_absolute() and (version_dir / model).exists():
+        raw["model"] = str((version_dir / model).resolve())
+    return ServingSettings(EngineConfig(**raw), float(timeout) if timeout is not None else None)

@@ -1,0 +1,174 @@
+"""Start `tritium serve` (a real tritonserver) for the end-to-end tests, and talk to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import requests
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    http: str
+    grpc: str
+    metrics: str
+    output: list[str] = field(default_factory=list)
+
+    def stop(self) -> str:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        out = self.process.stdout.read() if self.process.stdout else ""
+        return out
+
+
+def start_serve(*args: str, timeout: float = 240.0, env: dict[str, str] | None = None) -> Served:
+    """Run `tritium serve` on free loopback ports and wait until it prints that it is serving."""
+    http, grpc, metrics = free_ports(3)
+    cmd = [sys.executable, "-m", "tritium.client.cli", "serve", f"--http-port={http}", f"--grpc-port={grpc}",
+           f"--metrics-port={metrics}", *args]
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+    served = Served(proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("tritium serve exited:\n" + "".join(served.output))
+        served.output.append(line)
+        if "tritium is serving" in line:
+            return served
+    served.stop()
+    raise RuntimeError("tritium serve did not become ready:\n" + "".join(served.output))
+
+
+def metric_value(served: Served, name: str) -> float:
+    text = urllib.request.urlopen(served.metrics, timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def grpc_inputs(prompt: str, stream: bool, sampling: dict[str, Any] | None = None, **flags: bool) -> list[Any]:
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name: str, value: Any, dtype: str, np_dtype: Any) -> Any:
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(np.array([value], dtype=np_dtype))
+        return t
+
+    inputs = [tensor("text_input", prompt.encode(), "BYTES", np.object_), tensor("stream", stream, "BOOL", bool)]
+    if sampling is not None:
+        inputs.append(tensor("sampling_parameters", json.dumps(sampling).encode(), "BYTES", np.object_))
+    for name, value in flags.items():
+        inputs.append(tensor(name, value, "BOOL", bool))
+    return inputs
+
+
+@dataclass
+class StreamResult:
+    texts: list[str]
+    times: list[float]
+    errors: list[str]
+    finals: int
+    outputs: list[dict[str, Any]]
+
+
+def grpc_stream(url: str, prompt: str, sampling: dict[str, Any], model: str = "tritium", version: str = "",
+                headers: dict[str, str] | None = None, cancel_after: int | None = None, timeout: float = 120,
+                **flags: bool) -> StreamResult:
+    """One streamed request over gRPC; returns every response (text, arrival time) until the final one."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    from tritonclient.utils import InferenceServerException
+
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
+    out = StreamResult([], [], [], 0, [])
+    try:
+        client.async_stream_infer(model_name=model, model_version=version,
+                                  inputs=grpc_inputs(prompt, True, sampling, **flags), enable_empty_final_response=True)
+    except InferenceServerException as exc:  # a stream already failed (e.g. refused by auth)
+        out.errors.append(str(exc))
+        client.stop_stream()
+        client.close()
+        return out
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                out.errors.append(str(error))
+                break
+            response = result.get_response()
+            final = response.parameters.get("triton_final_response")
+            text = result.as_numpy("text_output")
+            if text is not None:
+                out.texts.append(b"".join(text.reshape(-1)).decode())
+                out.times.append(time.monotonic())
+                out.outputs.append({o.name: result.as_numpy(o.name) for o in response.outputs})
+            if final is not None and final.bool_param:
+                out.finals += 1
+                break
+            if cancel_after is not None and len(out.texts) >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+    return out
+
+
+def http_generate(base: str, body: dict[str, Any], model: str = "tritium", headers: dict[str, str] | None = None,
+                  version: str | None = None) -> requests.Response:
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/generate"
+    return requests.post(base + path, json=body, headers=headers, timeout=120)
+
+
+def http_stream(base: str, body: dict[str, Any], model: str = "tritium") -> Iterator[dict[str, Any]]:
+    with requests.post(f"{base}/v2/models/{model}/generate_stream", json=body, stream=True, timeout=120) as resp:
+        assert resp.status_code == 200, resp.text
+        for line in resp.iter_lines(decode_unicode=True):
+            if line and line.startswith("data:"):
+                yield json.loads(line[5:])
+
+
+def shm_segments(prefix: str = "tritium_") -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix))
+
+
+def stub_processes() -> list[str]:
+    out = subprocess.run(["pgrep", "-fa", "triton_python_backend_stub"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "tritium_" in line]

@@ -1,0 +1,176 @@
+"""End-to-end: `tritium serve` runs a real tritonserver; tritonclient (gRPC) and HTTP talk to it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from serve_helpers import (
+    Served,
+    grpc_stream,
+    http_generate,
+    http_stream,
+    metric_value,
+    shm_segments,
+    start_serve,
+    stub_processes,
+)
+
+from tritium.backend import LLM, SamplingParams
+from tritium.client.triton_server import PACKAGE_REPOSITORY
+
+pytestmark = pytest.mark.slow
+PROMPT = "Once upon a time, in a small village,"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Served]:
+    served = start_serve()
+    yield served
+    served.stop()
+    assert not stub_processes(), "python backend stubs left behind"
+    assert not shm_segments(), "shared memory segments left behind"
+
+
+@pytest.fixture(scope="module")
+def local() -> LLM:
+    return LLM(None, kv_cache_bytes=128 << 20)
+
+
+def local_text(llm: LLM, prompt: str, max_tokens: int) -> str:
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0].text
+
+
+def test_grpc_stream_arrives_token_by_token_and_matches_in_process(server: Served, local: LLM) -> None:
+    result = grpc_stream(server.grpc, PROMPT, {"max_tokens": 24, "temperature": 0})
+    assert not result.errors and result.finals == 1
+    assert len(result.texts) >= 5
+    assert result.times[0] < result.times[-1]  # the first text came before the last token existed
+    assert "".join(result.texts) == local_text(local, PROMPT, 24)
+
+
+def test_http_generate_stream_sse_matches(server: Served, local: LLM) -> None:
+    events = list(http_stream(server.http, {"text_input": PROMPT, "max_tokens": 20, "temperature": 0,
+                                            "stream": True}))
+    assert len(events) >= 5
+    assert "".join(e["text_output"] for e in events) == local_text(local, PROMPT, 20)
+
+
+def test_non_streaming_returns_one_response_with_the_whole_text(server: Served, local: LLM) -> None:
+    body = {"text_input": PROMPT, "max_tokens": 12, "temperature": 0, "return_finish_reason": True,
+            "return_num_input_tokens": True, "return_num_output_tokens": True}
+    resp = http_generate(server.http, body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    expected = local_text(local, PROMPT, 12)
+    assert out["text_output"] == PROMPT + expected
+    assert out["finish_reason"] == "length" and out["num_output_tokens"] == 12
+    assert out["num_input_tokens"] == len(local.tokenizer.encode(PROMPT))
+    resp = http_generate(server.http, body | {"exclude_input_in_output": True})
+    assert resp.json()["text_output"] == expected
+
+
+def test_genai_perf_style_sampling_parameters(server: Served, local: LLM) -> None:
+    sampling = json.dumps({"max_tokens": "16", "temperature": "0"})
+    resp = http_generate(server.http, {"text_input": PROMPT, "sampling_parameters": sampling,
+                                       "exclude_input_in_output": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["text_output"] == local_text(local, PROMPT, 16)
+    streamed = grpc_stream(server.grpc, PROMPT, {"max_tokens": "16", "temperature": "0"})
+    assert "".join(streamed.texts) == resp.json()["text_output"]
+
+
+def test_cancel_mid_stream_frees_the_kv_cache(server: Served) -> None:
+    result = grpc_stream(server.grpc, PROMPT, {"max_tokens": 4000, "ignore_eos": True, "temperature": 0},
+                         cancel_after=3)
+    assert len(result.texts) >= 3 and result.finals == 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if metric_value(server, "tritium_kv_cache_used_blocks") == 0 and \
+                metric_value(server, "tritium_num_requests_running") == 0:
+            break
+        time.sleep(0.5)
+    assert metric_value(server, "tritium_kv_cache_used_blocks") == 0
+    assert http_generate(server.http, {"text_input": "Hello", "max_tokens": 3}).status_code == 200
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"max_tokens": 4}, "text_input"),
+    ({"text_input": "hi", "sampling_parameters": "{not json"}, "sampling_parameters must be a JSON object"),
+    ({"text_input": "hi", "temperature": -1}, "temperature must be >= 0"),
+    ({"text_input": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "bogus": 1}, "unknown request parameter 'bogus'"),
+    ({"text_input": "word " * 9000}, "the model's context is 8192 tokens"),
+])
+def test_bad_requests_get_an_error_naming_the_problem(server: Served, body: dict, message: str) -> None:
+    resp = http_generate(server.http, body)
+    assert resp.status_code == 400 or "error" in resp.json(), resp.text
+    assert message in resp.json()["error"]
+    ok = http_generate(server.http, {"text_input": "Hello", "max_tokens": 2})
+    assert ok.status_code == 200 and "text_output" in ok.json()
+
+
+def test_custom_metrics_are_plausible(server: Served) -> None:
+    http_generate(server.http, {"text_input": PROMPT, "max_tokens": 8})
+    assert metric_value(server, "tritium_generation_tokens_total") >= 8
+    assert metric_value(server, "tritium_prompt_tokens_total") >= 8
+    assert metric_value(server, "tritium_time_to_first_token_seconds_count") >= 1
+    assert metric_value(server, "tritium_e2e_request_latency_seconds_sum") > 0
+    assert metric_value(server, "tritium_inter_token_latency_seconds_count") >= 1
+    assert 0 <= metric_value(server, "tritium_kv_cache_usage_ratio") <= 1
+    assert metric_value(server, "tritium_prefix_cache_queried_tokens_total") > 0
+
+
+def test_api_key_restricts_inference_but_not_health() -> None:
+    key = "tritium-test-key"
+    served = start_serve(env={"TRITIUM_API_KEY": key})
+    try:
+        body = {"text_input": "Hello", "max_tokens": 2}
+        assert http_generate(served.http, body).status_code == 403
+        assert http_generate(served.http, body, headers={"x-api-key": "wrong"}).status_code == 403
+        assert http_generate(served.http, body, headers={"x-api-key": key}).status_code == 200
+        assert requests.get(served.http + "/v2/health/ready", timeout=5).status_code == 200
+        denied = grpc_stream(served.grpc, "Hello", {"max_tokens": 2})
+        assert denied.errors and not denied.texts
+        allowed = grpc_stream(served.grpc, "Hello", {"max_tokens": 2},
+                              headers={"triton-grpc-protocol-x-api-key": key})
+        assert not allowed.errors and allowed.finals == 1
+        assert key not in "".join(served.output)
+    finally:
+        served.stop()
+
+
+def test_two_versions_and_explicit_load_unload(tmp_path: Path, tiny_llama_path: Path) -> None:
+    import tritonclient.http as httpclient
+
+    repo = tmp_path / "repo"
+    shutil.copytree(PACKAGE_REPOSITORY / "tritium", repo / "tritium")
+    config = (repo / "tritium" / "config.pbtxt").read_text()
+    (repo / "tritium" / "config.pbtxt").write_text(config.replace("latest: { num_versions: 1 }", "all: {}"))
+    shutil.copytree(repo / "tritium" / "1", repo / "tritium" / "2")
+    (repo / "tritium" / "2" / "model.json").write_text(json.dumps({"model": str(tiny_llama_path),
+                                                                   "kv_cache_bytes": 16 << 20}))
+    served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
+    try:
+        body = {"text_input": PROMPT, "max_tokens": 6, "temperature": 0, "exclude_input_in_output": True}
+        v1 = http_generate(served.http, body, version="1").json()
+        v2 = http_generate(served.http, body, version="2").json()
+        assert (v1["model_version"], v2["model_version"]) == ("1", "2")
+        assert v1["text_output"] != v2["text_output"]  # two different checkpoints
+        client = httpclient.InferenceServerClient(served.http.removeprefix("http://"))
+        client.unload_model("tritium")
+        deadline = time.monotonic() + 60
+        while client.is_model_ready("tritium", "1") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not client.is_model_ready("tritium", "1")
+        assert http_generate(served.http, body, version="1").status_code != 200
+        client.load_model("tritium")
+        assert client.is_model_ready("tritium", "1") and client.is_model_ready("tritium", "2")
+        assert http_generate(served.http, body, version="1").json()["text_output"] == v1["text_output"]
+    finally:
+        served.stop()
