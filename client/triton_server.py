@@ -199,11 +199,14 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def log_tail(self, chars: int = 4000) -> str:
+    def log_tail(self, lines: int = 15) -> str:
+        """Triton's error lines (they start with E<date>) and the last `lines` lines of its log."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        errors = [line for line in text if line[:1] == "E" and line[1:5].isdigit()]
+        return "\n".join([*errors[-20:], "...", *text[-lines:]])
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGINT, then SIGKILL after `timeout`; then remove stubs, /dev/shm segments, the runtime dir."""

@@ -174,3 +174,16 @@ def test_two_versions_and_explicit_load_unload(tmp_path: Path, tiny_llama_path: 
         assert http_generate(served.http, body, version="1").json()["text_output"] == v1["text_output"]
     finally:
         served.stop()
+
+
+def test_ensemble_streams_the_same_text(server: Served, local: LLM) -> None:
+    body = {"text_input": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+    events = list(http_stream(server.http, body, model="tritium_ensemble"))
+    assert len(events) >= 5
+    assert "".join(e["text_output"] for e in events) == local_text(local, PROMPT, 16)
+    whole = http_generate(server.http, body | {"stream": False}, model="tritium_ensemble")
+    assert whole.status_code == 200 and whole.json()["text_output"] == local_text(local, PROMPT, 16)
+    chat = list(http_stream(server.http, {"text_input": "What is the capital of France?", "apply_chat_template": True,
+                                          "max_tokens": 16, "temperature": 0, "stream": True},
+                            model="tritium_ensemble"))
+    assert "Paris" in "".join(e["text_output"] for e in chat)

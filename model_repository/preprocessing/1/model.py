@@ -1,0 +1,5 @@
+"""Triton loads this file; the model lives in the installed tritium package."""
+
+from tritium.backend.serving.text_codec_models import PreprocessingModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]
