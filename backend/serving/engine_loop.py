@@ -21,6 +21,7 @@ from tritium.backend.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
+CANCEL_POLL_S = 0.1  # is_cancelled() is a round trip to the server: ask at most this often
 
 
 class ResponseSink(Protocol):
@@ -60,6 +61,7 @@ class EngineLoop:
         self._active: dict[str, Job] = {}
         self._cond = threading.Condition()
         self._stopping = False
+        self._last_cancel_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="tritium-engine", daemon=True)
 
     def start(self) -> None:
@@ -120,6 +122,9 @@ class EngineLoop:
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
+        if now - self._last_cancel_poll < CANCEL_POLL_S:
+            return
+        self._last_cancel_poll = now
         for job in list(self._active.values()):
             expired = job.deadline is not None and now > job.deadline
             if expired or job.sink.is_cancelled():

@@ -99,7 +99,10 @@ class TritonPythonModel:
         self.loop = EngineLoop(self.engine, metrics)
         self.loop.start()
         self._ids = count()
-        logger.info("tritium %s version %s ready", args["model_name"], args["model_version"])
+        import torch
+
+        print(f"tritium {args['model_name']} version {args['model_version']} ready "
+              f"({torch.get_num_threads()} torch threads)", flush=True)
 
     def _inputs(self, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray | None]:
         inputs = {}
