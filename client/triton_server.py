@@ -88,8 +88,8 @@ def find_triton(runtime_dir: Path) -> TritonInstall:
 
 
 def clean_stale(prefix: str = SHM_PREFIX) -> list[str]:
-    """Remove shared memory segments and kill stub processes left by tritium servers that died
-    (their owning pid is part of the prefix). Returns what was removed."""
+    """Remove shared memory segments, stub processes and runtime folders left by tritium servers that
+    died (their owning pid is part of the shm prefix / in the folder's pid file). Returns what was removed."""
     removed = []
     shm = Path("/dev/shm")
     dead: set[str] = set()
@@ -113,6 +113,16 @@ def clean_stale(prefix: str = SHM_PREFIX) -> list[str]:
             if owner.isdigit() and not _pid_alive(int(owner)):
                 os.kill(int(proc.name), signal.SIGKILL)
                 removed.append(f"stub pid {proc.name}")
+    tmp = Path(tempfile.gettempdir())
+    for runtime in tmp.glob("tritium-serve-*"):
+        pid_file = runtime / "tritonserver.pid"
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(runtime, ignore_errors=True)
+            removed.append(str(runtime))
     return removed
 
 
@@ -182,6 +192,7 @@ class TritonServer:
             self.process = subprocess.Popen(["/bin/sh", "-c", script], stdout=log, stderr=subprocess.STDOUT,
                                             env=env, start_new_session=True)
         self.shm_prefix = f"{SHM_PREFIX}{self.process.pid}_"
+        (self.runtime_dir / "tritonserver.pid").write_text(str(self.process.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
