@@ -119,6 +119,13 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_openai(args: argparse.Namespace) -> int:
+    from tritium.client.openai_server import serve_openai
+
+    serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritium", description="tritium LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
     p.add_argument("--log-verbose", type=int, default=0)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("openai", help="OpenAI-compatible endpoint in front of tritonserver replicas")
+    p.add_argument("--upstream", action="append", required=True, help="host:grpc_port of a tritonserver (repeat)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--api-key", default=os.environ.get("TRITIUM_API_KEY"),
+                   help="require Authorization: Bearer KEY; also sent to Triton (default: $TRITIUM_API_KEY)")
+    p.add_argument("--model", default="tritium", help="Triton model name, also the OpenAI model id")
+    p.add_argument("--tokenizer", default=None, help="model folder whose tokenizer/chat template to use")
+    p.set_defaults(func=cmd_openai)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("offline", help="offline throughput: tritium vs transformers")

@@ -116,7 +116,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(job.request_id, job.prompt, job.params, job.prompt_token_ids)
             except ValueError as exc:
-                self._fail(job, str(exc))
+                self._fail(job, f"invalid request: {exc}")
                 continue
             self._active[job.request_id] = job
 

@@ -1,0 +1,289 @@
+"""OpenAI-compatible HTTP endpoint in front of one or more tritonservers (`tritium openai`).
+
+`/v1/models`, `/v1/completions`, `/v1/chat/completions` (the chat template comes from the model's
+tokenizer), streaming as SSE ending in `data: [DONE]`. `Authorization: Bearer KEY` is checked and
+forwarded to Triton as its API key. Errors use OpenAI's shape: 400 bad field, 401 key, 404 model,
+503 no replica up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tritium.backend.tokenizer import Tokenizer
+from tritium.client.openai_protocol import ChatRequest, CompletionRequest, error_response
+from tritium.client.router import Chunk, Router, UpstreamError
+
+MAX_BODY_BYTES = 4 << 20
+
+
+def _token_entries(tokenizer: Tokenizer, logprobs: list[dict[str, float]]) -> list[tuple[str, float, list]]:
+    """(sampled token text, its logprob, [(token text, logprob)] most likely first) per generated token.
+    The engine lists the sampled token first, then the top-n."""
+    out = []
+    for entry in logprobs:
+        items = [(tokenizer.decode([int(t)], skip_special_tokens=False), lp) for t, lp in entry.items()]
+        out.append((items[0][0], items[0][1], sorted(items, key=lambda item: -item[1])))
+    return out
+
+
+def create_app(upstreams: list[str], api_key: str | None = None, model: str = "tritium",
+               tokenizer: Tokenizer | None = None, default_max_tokens: int = 16) -> FastAPI:
+    router = Router(upstreams, model=model, api_key=api_key)
+    if tokenizer is None:
+        from tritium.backend.models.registry import resolve_model
+
+        tokenizer = Tokenizer(resolve_model(None))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="tritium OpenAI-compatible API", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'body'}: {err.get('msg')}", param=param)
+
+    @app.middleware("http")
+    async def auth_and_limits(request: Request, call_next: Any) -> Any:
+        if request.url.path.startswith("/v1/"):
+            if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return error_response(401, "Incorrect or missing API key (Authorization: Bearer ...)",
+                                      code="invalid_api_key")
+            length = request.headers.get("content-length")
+            if length is not None and int(length) > MAX_BODY_BYTES:
+                return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
+        return await call_next(request)
+
+    def check_model(name: str) -> JSONResponse | None:
+        if name != model:
+            return error_response(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+        return None
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "tritium"}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = sum(r.healthy for r in router.replicas)
+        return JSONResponse({"healthy_replicas": healthy}, status_code=200 if healthy else 503)
+
+    async def run_choices(prompts: list[str], sampling: dict[str, Any], n: int, logprobs: bool
+                          ) -> AsyncIterator[tuple[int, Chunk]]:
+        """Merge the streams of every (prompt, sample) choice, tagged with the choice index."""
+        queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+        jobs = []
+        for p_idx, prompt in enumerate(prompts):
+            for s_idx in range(n):
+                params = dict(sampling)
+                if "seed" in params and n > 1:
+                    params["seed"] = params["seed"] + s_idx
+                index = p_idx * n + s_idx
+
+                async def pump(index: int = index, prompt: str = prompt, params: dict = params) -> None:
+                    try:
+                        async for chunk in router.generate(prompt, params, logprobs):
+                            await queue.put((index, chunk))
+                        await queue.put((index, None))
+                    except BaseException as exc:  # handed to the consumer, which raises it
+                        await queue.put((index, exc))
+
+                jobs.append(asyncio.create_task(pump()))
+        remaining = len(jobs)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for job in jobs:
+                job.cancel()
+
+    async def collect(prompts: list[str], sampling: dict[str, Any], n: int, logprobs: bool) -> dict[int, dict]:
+        choices: dict[int, dict] = {}
+        async for index, chunk in run_choices(prompts, sampling, n, logprobs):
+            c = choices.setdefault(index, {"text": "", "finish_reason": None, "prompt_tokens": 0,
+                                           "completion_tokens": 0, "logprobs": []})
+            c["text"] += chunk.text
+            c["logprobs"] += chunk.logprobs
+            if chunk.final:
+                c["finish_reason"] = chunk.finish_reason
+                c["prompt_tokens"] = chunk.num_input_tokens or 0
+                c["completion_tokens"] = chunk.num_output_tokens or 0
+        return choices
+
+    def usage(choices: dict[int, dict], n: int) -> dict[str, int]:
+        prompt_tokens = sum(c["prompt_tokens"] for i, c in choices.items() if i % n == 0)
+        completion = sum(c["completion_tokens"] for c in choices.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    def upstream_error(exc: UpstreamError) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status == 400 else "server_error"
+        return error_response(exc.status, str(exc), kind=kind)
+
+    def sse(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def stream_response(kind: str, prompts: list[str], sampling: dict[str, Any], n: int, logprobs: bool,
+                              include_usage: bool, make_delta: Any) -> StreamingResponse:
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        iterator = run_choices(prompts, sampling, n, logprobs)
+        try:  # fail with a proper status when the request is rejected before anything streams
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except UpstreamError as exc:
+            return upstream_error(exc)
+
+        async def events() -> AsyncIterator[str]:
+            totals: dict[int, dict] = {}
+            started: set[int] = set()
+            pending = [first] if first else []
+
+            async def all_chunks() -> AsyncIterator[tuple[int, Chunk]]:
+                for item in pending:
+                    yield item
+                async for item in iterator:
+                    yield item
+
+            try:
+                async for index, chunk in all_chunks():
+                    t = totals.setdefault(index, {"prompt_tokens": 0, "completion_tokens": 0})
+                    if chunk.final:
+                        t["prompt_tokens"] = chunk.num_input_tokens or 0
+                        t["completion_tokens"] = chunk.num_output_tokens or 0
+                    choice = make_delta(index, chunk, index not in started)
+                    started.add(index)
+                    yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
+            except UpstreamError as exc:
+                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+                return
+            if include_usage:
+                u = usage({i: t for i, t in totals.items()}, n)
+                yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> Any:
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompts or any(not p for p in prompts):
+            return error_response(400, "prompt must be a non-empty string or list of strings", param="prompt")
+        sampling = body.sampling(default_max_tokens)
+        want_lp = body.logprobs is not None
+        if want_lp:
+            sampling["logprobs"] = body.logprobs
+
+        def completion_logprobs(entries: list[dict[str, float]]) -> dict[str, Any] | None:
+            if not want_lp:
+                return None
+            rows = _token_entries(tokenizer, entries)
+            return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+                    "top_logprobs": [dict(r[2][: body.logprobs]) for r in rows], "text_offset": []}
+
+        if body.stream:
+            def delta(index: int, chunk: Chunk, first: bool) -> dict[str, Any]:
+                return {"index": index, "text": chunk.text, "logprobs": completion_logprobs(chunk.logprobs),
+                        "finish_reason": chunk.finish_reason if chunk.final else None}
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream_response("completion", prompts, sampling, body.n, want_lp, include, delta)
+        try:
+            choices = await collect(prompts, sampling, body.n, want_lp)
+        except UpstreamError as exc:
+            return upstream_error(exc)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": i, "text": (prompts[i // body.n] if body.echo else "") + c["text"],
+                         "logprobs": completion_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
+                        for i, c in sorted(choices.items())],
+            "usage": usage(choices, body.n),
+        }
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatRequest) -> Any:
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        try:
+            prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        except ValueError as exc:
+            return error_response(400, str(exc), param="messages")
+        sampling = body.sampling(default_max_tokens)
+        if body.max_completion_tokens:
+            sampling["max_tokens"] = body.max_completion_tokens
+        want_lp = body.logprobs
+        if want_lp:
+            sampling["logprobs"] = body.top_logprobs or 0
+
+        def chat_logprobs(entries: list[dict[str, float]]) -> dict[str, Any] | None:
+            if not want_lp:
+                return None
+            rows = _token_entries(tokenizer, entries)
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                                  for a, alp in alts[: body.top_logprobs or 0]]}
+                                for tok, lp, alts in rows]}
+
+        if body.stream:
+            def delta(index: int, chunk: Chunk, first: bool) -> dict[str, Any]:
+                d: dict[str, Any] = {"content": chunk.text}
+                if first:
+                    d["role"] = "assistant"
+                return {"index": index, "delta": d, "logprobs": chat_logprobs(chunk.logprobs),
+                        "finish_reason": chunk.finish_reason if chunk.final else None}
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream_response("chat", [prompt], sampling, body.n, want_lp, include, delta)
+        try:
+            choices = await collect([prompt], sampling, body.n, want_lp)
+        except UpstreamError as exc:
+            return upstream_error(exc)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+                         "logprobs": chat_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
+                        for i, c in sorted(choices.items())],
+            "usage": usage(choices, body.n),
+        }
+
+    return app
+
+
+def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None, model: str,
+                 tokenizer_path: str | None) -> None:
+    import uvicorn
+
+    from tritium.backend.models.registry import resolve_model
+
+    tokenizer = Tokenizer(resolve_model(tokenizer_path))
+    app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer)
+    print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,199 @@
+"""Choose the tritonserver replica for a request, and stream from it over gRPC (tritonclient asyncio).
+
+A request goes to the healthy replica with the fewest outstanding tokens, except that requests sharing a
+prompt prefix prefer one replica (rendezvous hashing over the first PREFIX_CHARS characters) as long as it
+is not more than AFFINITY_SLACK tokens busier than the least loaded one, so its prefix cache hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+PREFIX_CHARS = 256
+AFFINITY_SLACK = 2048
+HEALTH_INTERVAL_S = 1.0
+
+
+class UpstreamError(Exception):
+    """The replica failed the request. `status` is 400 for a request it rejected, else 502."""
+
+    def __init__(self, message: str, status: int = 502, before_first_token: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.before_first_token = before_first_token
+
+
+@dataclass
+class Chunk:
+    text: str
+    final: bool
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    logprobs: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    client: Any
+    healthy: bool = True
+    outstanding_tokens: int = 0
+    requests_served: int = 0
+
+
+def _score(prefix: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{url}\0{prefix}".encode(), digest_size=8).digest(), "big")
+
+
+def _tensor(grpcclient: Any, name: str, value: Any) -> Any:
+    dtype = "BOOL" if isinstance(value, bool) else "BYTES"
+    t = grpcclient.InferInput(name, [1], dtype)
+    t.set_data_from_numpy(np.array([value], dtype=bool if dtype == "BOOL" else np.object_))
+    return t
+
+
+class Router:
+    def __init__(self, urls: list[str], model: str = "tritium", api_key: str | None = None) -> None:
+        self.model = model
+        self.headers = {"triton-grpc-protocol-x-api-key": api_key} if api_key else None
+        self.replicas = [Replica(url, None) for url in urls]
+        self._ids = count()
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Connect (gRPC aio channels belong to the running event loop) and start health checks."""
+        import tritonclient.grpc.aio as grpcaio
+
+        for replica in self.replicas:
+            replica.client = grpcaio.InferenceServerClient(replica.url)
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+        for r in self.replicas:
+            await r.client.close()
+
+    async def check_health(self) -> None:
+        async def probe(replica: Replica) -> None:
+            try:
+                replica.healthy = bool(await asyncio.wait_for(
+                    replica.client.is_model_ready(self.model, headers=self.headers), 2.0))
+            except Exception:
+                replica.healthy = False
+
+        await asyncio.gather(*(probe(r) for r in self.replicas))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await self.check_health()
+
+    def pick(self, prompt: str, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
+        healthy = [r for r in self.replicas if r.healthy and r.url not in exclude]
+        if not healthy:
+            return None
+        least = min(healthy, key=lambda r: r.outstanding_tokens)
+        prefix = prompt[:PREFIX_CHARS]
+        preferred = max(healthy, key=lambda r: _score(prefix, r.url))
+        if preferred.outstanding_tokens - least.outstanding_tokens <= AFFINITY_SLACK:
+            return preferred
+        return least
+
+    async def generate(self, prompt: str, sampling: dict[str, Any], want_logprobs: bool = False
+                       ) -> AsyncIterator[Chunk]:
+        """Stream a request, retrying on another replica when one fails before its first token.
+        Raises UpstreamError (status 503 when no replica is up)."""
+        tried: set[str] = set()
+        while True:
+            replica = self.pick(prompt, tried)
+            if replica is None:
+                raise UpstreamError("no healthy tritonserver replica", status=503)
+            tried.add(replica.url)
+            cost = int(sampling.get("max_tokens", 16)) + len(prompt) // 4
+            replica.outstanding_tokens += cost
+            first = True
+            try:
+                async for chunk in self._stream(replica, prompt, sampling, want_logprobs):
+                    first = False
+                    yield chunk
+                replica.requests_served += 1
+                return
+            except UpstreamError as exc:
+                if exc.status == 400 or not first:
+                    raise
+                replica.healthy = False
+                logger.warning("replica %s failed before the first token (%s); retrying elsewhere", replica.url, exc)
+            finally:
+                replica.outstanding_tokens -= cost
+
+    async def _stream(self, replica: Replica, prompt: str, sampling: dict[str, Any], want_logprobs: bool
+                      ) -> AsyncIterator[Chunk]:
+        import tritonclient.grpc as grpcclient
+
+        inputs = [_tensor(grpcclient, "text_input", prompt.encode()),
+                  _tensor(grpcclient, "stream", True),
+                  _tensor(grpcclient, "sampling_parameters",
+                          json.dumps(sampling | ({"logprobs": sampling.get("logprobs", 0)} if want_logprobs else {}))
+                          .encode()),
+                  _tensor(grpcclient, "exclude_input_in_output", True),
+                  _tensor(grpcclient, "return_finish_reason", True),
+                  _tensor(grpcclient, "return_num_input_tokens", True),
+                  _tensor(grpcclient, "return_num_output_tokens", True)]
+        if want_logprobs:
+            inputs.append(_tensor(grpcclient, "return_logprobs", True))
+        request = {"model_name": self.model, "inputs": inputs, "request_id": f"oai-{next(self._ids)}",
+                   "enable_empty_final_response": True}
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield request
+
+        stream = replica.client.stream_infer(one_request(), headers=self.headers)
+        got_any = False
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    message = str(error)
+                    status = 400 if "invalid request" in message else 502
+                    raise UpstreamError(message.removeprefix("[StatusCode.INVALID_ARGUMENT] "), status, not got_any)
+                response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param
+                text = result.as_numpy("text_output")
+                if text is None:
+                    if final:
+                        return
+                    continue
+                got_any = True
+                chunk = Chunk(text=b"".join(text.reshape(-1)).decode("utf-8"), final=final)
+                reason = result.as_numpy("finish_reason")
+                if reason is not None:
+                    chunk.finish_reason = reason.reshape(-1)[0].decode() or None
+                for name in ("num_input_tokens", "num_output_tokens"):
+                    value = result.as_numpy(name)
+                    if value is not None:
+                        setattr(chunk, name, int(value.reshape(-1)[0]))
+                lp = result.as_numpy("logprobs")
+                if lp is not None:
+                    chunk.logprobs = json.loads(lp.reshape(-1)[0].decode())
+                yield chunk
+                if final:
+                    return
+        except UpstreamError:
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: cancel upstream too
+            stream.cancel()
+            raise
+        except Exception as exc:
+            raise UpstreamError(f"{replica.url}: {exc}", 502, not got_any) from exc
