@@ -22,7 +22,7 @@ serve: setup
 	$(BIN)/tritium serve
 
 run: setup
-	$(BIN)/tritium generate --chat --temperature 0 --max-tokens 64 "$(PROMPT)"
+	$(BIN)/tritium generate --local --chat --temperature 0 --max-tokens 64 "$(PROMPT)"
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -27,13 +27,45 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    values = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "stop": args.stop or []}
+    if args.seed is not None:
+        values["seed"] = args.seed
+    return values
+
+
+def _stream_remote(args: argparse.Namespace, prompt: str) -> str:
+    from tritium.client.remote import stream_text
+
+    text = ""
+    for delta in stream_text(args.url, prompt, _sampling(args), api_key=args.api_key or None):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+        text += delta
+    sys.stdout.write("\n")
+    return text
+
+
+def _chat_prompt(args: argparse.Namespace, messages: list[dict[str, str]]) -> str:
+    from tritium.backend.models.registry import resolve_model
+    from tritium.backend.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_model(args.model)).apply_chat_template(messages)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.local:
+        prompt = _chat_prompt(args, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        try:
+            _stream_remote(args, prompt)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     from tritium.backend import EngineConfig, LLMEngine, SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop or [],
-    )
+    params = SamplingParams(**_sampling(args))
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend))
     if args.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -50,6 +82,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     print(f"error: {out.error}", file=sys.stderr)
                     return 1
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation with a running server: one user turn per input line (Ctrl-D ends)."""
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        try:
+            reply = _stream_remote(args, _chat_prompt(args, messages))
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="127.0.0.1:8001",
+                   help="server: host:port for gRPC (default 127.0.0.1:8001) or http://host:port for HTTP")
+    p.add_argument("--api-key", default=os.environ.get("TRITIUM_API_KEY"), help="default: $TRITIUM_API_KEY")
+    p.add_argument("--model", default=None, help="model folder (--local) / tokenizer for the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
@@ -126,6 +195,17 @@ def cmd_openai(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tritium.client.bench_serve import run_serve_benchmark
+
+    report = run_serve_benchmark(
+        url=args.url, backend=args.backend, model=args.model, concurrency=args.concurrency,
+        request_rates=args.request_rate, num_requests=args.num_requests, input_len=args.input_len,
+        output_len=args.output_len, api_key=args.api_key or None, out_dir=args.out_dir,
+    )
+    return 1 if any(r["errors"] for r in report["results"]) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritium", description="tritium LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,19 +214,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepare", action="store_true", help="convert the embedded default model if needed")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("generate", help="generate text in-process, streaming to the terminal")
+    p = sub.add_parser("generate", help="stream a completion from a running server (or in-process: --local)")
     p.add_argument("prompt")
-    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    _add_client_args(p)
+    p.add_argument("--local", action="store_true", help="run the engine in this process instead")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with a running server, one user turn per line")
+    _add_client_args(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="serve the model repository with a real tritonserver")
     p.add_argument("--model-repository", default=str(default_repository()))
@@ -190,6 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_server)
+    p = bench.add_parser("serve", help="TTFT / ITL / throughput against a running server (genai-perf metrics)")
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port (triton) or base URL .../v1 (openai)")
+    p.add_argument("--backend", choices=["triton", "openai"], default="triton")
+    p.add_argument("--model", default="tritium")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="closed-loop sweep")
+    p.add_argument("--request-rate", type=float, nargs="+", help="open-loop Poisson rates (req/s) instead")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--api-key", default=os.environ.get("TRITIUM_API_KEY"))
+    p.add_argument("--out-dir", default="bench_results")
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 

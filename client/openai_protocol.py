@@ -29,6 +29,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    ignore_eos: bool = False  # extensions vLLM also accepts
+    min_tokens: int = Field(default=0, ge=0)
 
     def sampling(self, max_tokens_default: int) -> dict[str, Any]:
         """The engine's sampling fields for this request."""
@@ -41,6 +43,10 @@ class SamplingFields(BaseModel):
             out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.seed is not None:
             out["seed"] = self.seed
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.min_tokens:
+            out["min_tokens"] = self.min_tokens
         return out
 
 

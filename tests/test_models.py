@@ -69,7 +69,7 @@ def test_models_command_lists_the_default_and_local_folders(tmp_path: Path, defa
 
 
 def test_generate_command_streams_an_answer() -> None:
-    cmd = [sys.executable, "-m", "tritium.client.cli", "generate", "--chat", "--temperature", "0",
+    cmd = [sys.executable, "-m", "tritium.client.cli", "generate", "--local", "--chat", "--temperature", "0",
            "--max-tokens", "12", "What is the capital of France?"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "Paris" in out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,3 +189,30 @@ def test_ensemble_streams_the_same_text(server: Served, local: LLM) -> None:
                                           "max_tokens": 16, "temperature": 0, "stream": True},
                             model="tritium_ensemble"))
     assert "Paris" in "".join(e["text_output"] for e in chat)
+
+
+def test_cli_generate_and_chat_stream_from_the_server(server: Served, local: LLM) -> None:
+    expected = local_text(local, PROMPT, 12)
+    for url in (server.grpc, server.http):
+        out = subprocess.run([sys.executable, "-m", "tritium.client.cli", "generate", "--url", url, "--temperature",
+                              "0", "--max-tokens", "12", PROMPT], capture_output=True, text=True, check=True)
+        assert out.stdout.rstrip("\n") == expected
+    chat = subprocess.run([sys.executable, "-m", "tritium.client.cli", "chat", "--url", server.grpc, "--temperature",
+                           "0", "--max-tokens", "24"], input="What is the capital of France?\n",
+                          capture_output=True, text=True, check=True)
+    assert "Paris" in chat.stdout
+
+
+def test_bench_serve_reports_consistent_metrics(server: Served, tmp_path: Path) -> None:
+    from tritium.client.bench_serve import run_serve_benchmark
+
+    report = run_serve_benchmark(server.grpc, concurrency=[1, 3], num_requests=4, input_len=16, output_len=6,
+                                 out_dir=str(tmp_path))
+    assert (tmp_path / "serve.png").stat().st_size > 1000 and (tmp_path / "serve.json").is_file()
+    for result in report["results"]:
+        assert result["errors"] == 0 and result["output_tokens"] == 4 * 6
+        assert result["time_to_first_token_s"]["max"] <= result["request_latency_s"]["max"]
+        assert result["time_to_first_token_s"]["p50"] <= result["request_latency_s"]["p50"]
+        assert result["output_token_throughput_per_s"] > 0
+    for records in report["requests"].values():
+        assert all(r["ttft_s"] <= r["latency_s"] and r["output_tokens"] == 6 for r in records)
