@@ -140,3 +140,20 @@ def test_router_spreads_keeps_prefixes_together_and_survives_a_replica(triton: S
         proc.terminate()
         proc.wait(10)
         second.stop()
+
+
+def test_client_disconnect_cancels_the_upstream_request(client: openai.OpenAI, triton: Served) -> None:
+    body = {"model": "tritium", "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with requests.post(f"{client.base_url}completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                       stream=True, timeout=60) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith(b"data:") for line in got)
+        assert metric_value(triton, "tritium_num_requests_running") >= 1
+    # The connection is closed mid-stream: the endpoint must cancel the gRPC stream, and Triton the request.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and metric_value(triton, "tritium_kv_cache_used_blocks") > 0:
+        time.sleep(0.5)
+    assert metric_value(triton, "tritium_kv_cache_used_blocks") == 0
+    assert metric_value(triton, "tritium_num_requests_running") == 0
+    assert client.completions.create(model="tritium", prompt="Hello", max_tokens=2).choices[0].text is not None

@@ -41,13 +41,15 @@ def decode_delta(tokenizer: Tokenizer, context: list[int], ids: list[int]) -> st
     return tokenizer.decode(context + ids)[len(before):]
 
 
-class PreprocessingModel:
+class _TokenizerModel:
     def initialize(self, args: dict[str, Any]) -> None:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
         self.tokenizer = _tokenizer(args)
 
+
+class PreprocessingModel(_TokenizerModel):
     def execute(self, requests: list[Any]) -> list[Any]:
         pb = self.pb
         responses = []
@@ -71,13 +73,7 @@ class PreprocessingModel:
         return responses
 
 
-class PostprocessingModel:
-    def initialize(self, args: dict[str, Any]) -> None:
-        import triton_python_backend_utils as pb_utils
-
-        self.pb = pb_utils
-        self.tokenizer = _tokenizer(args)
-
+class PostprocessingModel(_TokenizerModel):
     def execute(self, requests: list[Any]) -> list[Any]:
         pb = self.pb
         responses = []
