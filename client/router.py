@@ -52,7 +52,7 @@ class Replica:
     requests_served: int = 0
 
 
-def _score(prefix: str, url: str) -> int:
+def prefix_score(prefix: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{url}\0{prefix}".encode(), digest_size=8).digest(), "big")
 
 
@@ -107,7 +107,7 @@ class Router:
             return None
         least = min(healthy, key=lambda r: r.outstanding_tokens)
         prefix = prompt[:PREFIX_CHARS]
-        preferred = max(healthy, key=lambda r: _score(prefix, r.url))
+        preferred = max(healthy, key=lambda r: prefix_score(prefix, r.url))
         if preferred.outstanding_tokens - least.outstanding_tokens <= AFFINITY_SLACK:
             return preferred
         return least
