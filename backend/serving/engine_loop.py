@@ -36,7 +36,7 @@ class LoopObserver(Protocol):
     """Metrics hooks, called on the engine thread."""
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
-    def on_step(self, engine: LLMEngine) -> None: ...
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None: ...
 
 
 @dataclass(eq=False)
@@ -92,6 +92,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            if not self._queue and not self._active:  # going idle: publish the final metric values
+                self._observe(self.observer.on_step if self.observer else None, self.engine, time.monotonic(), True)
             with self._cond:
                 while not self._stopping and not self._queue and not self._active:
                     self._cond.wait(IDLE_WAIT_S)
@@ -149,7 +151,7 @@ class EngineLoop:
                     job.sink.send_output(out)
             elif out.delta_text or out.delta_token_ids:
                 job.sink.send_output(out)
-        self._observe(self.observer.on_step if self.observer else None, self.engine)
+        self._observe(self.observer.on_step if self.observer else None, self.engine, now)
 
     @staticmethod
     def _observe(hook: Callable[..., None] | None, *args: object) -> None:

@@ -1,4 +1,8 @@
-"""tritium's custom metrics on Triton's metrics port, through the python backend's MetricFamily."""
+"""tritium's custom metrics on Triton's metrics port, through the python backend's MetricFamily.
+
+Every metric call is a round trip to the server process, so observations are gathered here and pushed
+at most every FLUSH_INTERVAL_S (and whenever the engine goes idle), not per token.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
 from tritium.backend.serving.engine_loop import Job
 
+FLUSH_INTERVAL_S = 0.5
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
@@ -46,22 +51,42 @@ class EngineMetrics:
         self._seen_preemptions = 0
         self._seen_hits = 0
         self._seen_queries = 0
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
+        self._e2e: list[float] = []
+        self._generated = 0
+        self._prompt = 0
+        self._last_flush = 0.0
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None:
         new = len(output.delta_token_ids)
         if new:
             if job.first_token_at is None:
-                self.ttft.observe(now - job.arrival)
+                self._ttft.append(now - job.arrival)
                 job.first_token_at = now
             elif job.last_token_at is not None:
-                self.itl.observe((now - job.last_token_at) / new)
+                self._itl.append((now - job.last_token_at) / new)
             job.last_token_at = now
-            self.generation_tokens.increment(new)
+            self._generated += new
         if output.finished:
-            self.e2e.observe(now - job.arrival)
-            self.prompt_tokens.increment(output.num_input_tokens)
+            self._e2e.append(now - job.arrival)
+            self._prompt += output.num_input_tokens
 
-    def on_step(self, engine: LLMEngine) -> None:
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None:
+        """Push what was gathered, if FLUSH_INTERVAL_S passed since the last push (or `force`)."""
+        if not force and now - self._last_flush < FLUSH_INTERVAL_S:
+            return
+        self._last_flush = now
+        for values, metric in ((self._ttft, self.ttft), (self._itl, self.itl), (self._e2e, self.e2e)):
+            for value in values:
+                metric.observe(value)
+            values.clear()
+        if self._generated:
+            self.generation_tokens.increment(self._generated)
+            self._generated = 0
+        if self._prompt:
+            self.prompt_tokens.increment(self._prompt)
+            self._prompt = 0
         sched, blocks = engine.scheduler, engine.block_manager
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
