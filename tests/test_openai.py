@@ -152,6 +152,9 @@ def test_client_disconnect_cancels_the_upstream_request(client: openai.OpenAI, t
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith(b"data:") for line in got)
+        deadline = time.monotonic() + 10  # gauges are pushed every 0.5 s
+        while time.monotonic() < deadline and metric_value(triton, "tritium_num_requests_running") < 1:
+            time.sleep(0.2)
         assert metric_value(triton, "tritium_num_requests_running") >= 1
     # The connection is closed mid-stream: the endpoint must cancel the gRPC stream, and Triton the request.
     deadline = time.monotonic() + 60

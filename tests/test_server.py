@@ -119,6 +119,9 @@ def test_bad_requests_get_an_error_naming_the_problem(server: Served, body: dict
 
 def test_custom_metrics_are_plausible(server: Served) -> None:
     http_generate(server.http, {"text_input": PROMPT, "max_tokens": 8})
+    deadline = time.monotonic() + 10  # pushed to Triton every 0.5 s and when the engine goes idle
+    while time.monotonic() < deadline and metric_value(server, "tritium_e2e_request_latency_seconds_count") < 1:
+        time.sleep(0.2)
     assert metric_value(server, "tritium_generation_tokens_total") >= 8
     assert metric_value(server, "tritium_prompt_tokens_total") >= 8
     assert metric_value(server, "tritium_time_to_first_token_seconds_count") >= 1
