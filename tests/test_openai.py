@@ -119,8 +119,17 @@ def test_router_spreads_keeps_prefixes_together_and_survives_a_replica(triton: S
         oai = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
 
         def served_counts() -> tuple[float, float]:
-            return (metric_value(triton, "tritium_e2e_request_latency_seconds_count"),
-                    metric_value(second, "tritium_e2e_request_latency_seconds_count"))
+            """Finished requests per replica, once the batched metric push has settled."""
+            def read() -> tuple[float, float]:
+                return (metric_value(triton, "tritium_e2e_request_latency_seconds_count"),
+                        metric_value(second, "tritium_e2e_request_latency_seconds_count"))
+            previous = read()
+            while True:
+                time.sleep(1.0)
+                current = read()
+                if current == previous:
+                    return current
+                previous = current
 
         before = served_counts()
         for i in range(12):  # distinct prefixes: rendezvous hashing spreads them
