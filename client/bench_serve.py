@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from tritium.client.remote import grpc_inputs
+
 
 @dataclass
 class RequestRecord:
@@ -50,15 +52,9 @@ def synthetic_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
 
 
 async def triton_request(client: Any, model: str, prompt: str, output_len: int, headers: dict | None) -> RequestRecord:
-    import tritonclient.grpc as grpcclient
-
-    inputs = []
-    sampling = json.dumps({"max_tokens": output_len, "ignore_eos": True, "temperature": 0}).encode()
-    for name, value, dtype in (("text_input", prompt.encode(), "BYTES"), ("stream", True, "BOOL"),
-                               ("sampling_parameters", sampling, "BYTES"), ("return_num_output_tokens", True, "BOOL")):
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
-        inputs.append(t)
+    sampling = json.dumps({"max_tokens": output_len, "ignore_eos": True, "temperature": 0})
+    inputs = grpc_inputs({"text_input": prompt, "stream": True, "sampling_parameters": sampling,
+                          "return_num_output_tokens": True})
 
     async def requests_iter() -> Any:
         yield {"model_name": model, "inputs": inputs, "enable_empty_final_response": True}

@@ -12,16 +12,18 @@ import queue
 import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from tritium.backend import LLM, SamplingParams
+from tritium.backend.models.registry import resolve_model
+from tritium.backend.tokenizer import Tokenizer
 from tritium.client.bench_offline import make_prompts
+from tritium.client.remote import grpc_inputs
 
 
 def prompts_as_text(n: int) -> list[str]:
-    llm_tok = LLM(None, kv_cache_bytes=16 << 20).tokenizer
-    return [llm_tok.decode(p) for p in make_prompts(n, 32, 256, vocab=49152, first_normal_id=17)]
+    tokenizer = Tokenizer(resolve_model(None))
+    return [tokenizer.decode(p) for p in make_prompts(n, 32, 256, vocab=49152, first_normal_id=17)]
 
 
 def run_local(prompts: list[str], output_len: int) -> tuple[int, float]:
@@ -39,20 +41,13 @@ def run_server(prompts: list[str], output_len: int, grpc_url: str) -> tuple[int,
     client = grpcclient.InferenceServerClient(grpc_url)
     done: queue.Queue[tuple[object, object]] = queue.Queue()
     client.start_stream(callback=lambda result, error: done.put((result, error)))
-    sampling = json.dumps({"max_tokens": output_len, "temperature": 0, "ignore_eos": True}).encode()
-
-    def request(i: int, prompt: str) -> list[object]:
-        tensors = []
-        for name, value, dtype in (("text_input", prompt.encode(), "BYTES"), ("sampling_parameters", sampling, "BYTES"),
-                                   ("stream", True, "BOOL"), ("return_num_output_tokens", True, "BOOL")):
-            t = grpcclient.InferInput(name, [1], dtype)
-            t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool))
-            tensors.append(t)
-        return tensors
+    sampling = json.dumps({"max_tokens": output_len, "temperature": 0, "ignore_eos": True})
 
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        client.async_stream_infer("tritium", request(i, prompt), request_id=str(i), enable_empty_final_response=True)
+        inputs = grpc_inputs({"text_input": prompt, "sampling_parameters": sampling, "stream": True,
+                              "return_num_output_tokens": True})
+        client.async_stream_infer("tritium", inputs, request_id=str(i), enable_empty_final_response=True)
     tokens, finished = 0, 0
     with tqdm(total=len(prompts), desc="server", unit="req") as bar:
         while finished < len(prompts):

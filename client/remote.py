@@ -10,6 +10,24 @@ from typing import Any
 import numpy as np
 
 
+def grpc_inputs(values: dict[str, str | bytes | bool]) -> list[Any]:
+    """Shape-[1] tritonclient gRPC inputs (also what the asyncio client takes): a bool becomes a BOOL
+    tensor, a str (UTF-8) or bytes a BYTES tensor."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            dtype, array = "BOOL", np.array([value], dtype=bool)
+        else:
+            data = value.encode("utf-8") if isinstance(value, str) else value
+            dtype, array = "BYTES", np.array([data], dtype=np.object_)
+        tensor = grpcclient.InferInput(name, [1], dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
 def stream_text(url: str, prompt: str, sampling: dict[str, Any], api_key: str | None = None,
                 model: str = "tritium", timeout: float = 600.0) -> Iterator[str]:
     """Yield text deltas as the server sends them. Raises RuntimeError with the server's error."""
@@ -44,12 +62,7 @@ def _stream_grpc(url: str, prompt: str, sampling: dict[str, Any], api_key: str |
     results: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     headers = {"triton-grpc-protocol-x-api-key": api_key} if api_key else None
-    inputs = []
-    for name, value, dtype in (("text_input", prompt.encode(), "BYTES"), ("stream", True, "BOOL"),
-                               ("sampling_parameters", json.dumps(sampling).encode(), "BYTES")):
-        tensor = grpcclient.InferInput(name, [1], dtype)
-        tensor.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
-        inputs.append(tensor)
+    inputs = grpc_inputs({"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(sampling)})
     client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)

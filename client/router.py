@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-import numpy as np
+from tritium.client.remote import grpc_inputs
 
 logger = logging.getLogger(__name__)
 PREFIX_CHARS = 256
@@ -54,13 +54,6 @@ class Replica:
 
 def prefix_score(prefix: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{url}\0{prefix}".encode(), digest_size=8).digest(), "big")
-
-
-def _tensor(grpcclient: Any, name: str, value: Any) -> Any:
-    dtype = "BOOL" if isinstance(value, bool) else "BYTES"
-    t = grpcclient.InferInput(name, [1], dtype)
-    t.set_data_from_numpy(np.array([value], dtype=bool if dtype == "BOOL" else np.object_))
-    return t
 
 
 class Router:
@@ -141,19 +134,16 @@ class Router:
 
     async def _stream(self, replica: Replica, prompt: str, sampling: dict[str, Any], want_logprobs: bool
                       ) -> AsyncIterator[Chunk]:
-        import tritonclient.grpc as grpcclient
-
-        inputs = [_tensor(grpcclient, "text_input", prompt.encode()),
-                  _tensor(grpcclient, "stream", True),
-                  _tensor(grpcclient, "sampling_parameters",
-                          json.dumps(sampling | ({"logprobs": sampling.get("logprobs", 0)} if want_logprobs else {}))
-                          .encode()),
-                  _tensor(grpcclient, "exclude_input_in_output", True),
-                  _tensor(grpcclient, "return_finish_reason", True),
-                  _tensor(grpcclient, "return_num_input_tokens", True),
-                  _tensor(grpcclient, "return_num_output_tokens", True)]
         if want_logprobs:
-            inputs.append(_tensor(grpcclient, "return_logprobs", True))
+            sampling = {"logprobs": 0} | sampling
+        values: dict[str, str | bool] = {
+            "text_input": prompt, "stream": True, "sampling_parameters": json.dumps(sampling),
+            "exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+        }
+        if want_logprobs:
+            values["return_logprobs"] = True
+        inputs = grpc_inputs(values)
         request = {"model_name": self.model, "inputs": inputs, "request_id": f"oai-{next(self._ids)}",
                    "enable_empty_final_response": True}
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import requests
+
+from tritium.client.remote import grpc_inputs
 
 
 def free_ports(n: int) -> list[int]:
@@ -80,20 +81,11 @@ def metric_value(served: Served, name: str) -> float:
     return total
 
 
-def grpc_inputs(prompt: str, stream: bool, sampling: dict[str, Any] | None = None, **flags: bool) -> list[Any]:
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name: str, value: Any, dtype: str, np_dtype: Any) -> Any:
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(np.array([value], dtype=np_dtype))
-        return t
-
-    inputs = [tensor("text_input", prompt.encode(), "BYTES", np.object_), tensor("stream", stream, "BOOL", bool)]
+def text_inputs(prompt: str, stream: bool, sampling: dict[str, Any] | None = None, **flags: bool) -> list[Any]:
+    values: dict[str, str | bool] = {"text_input": prompt, "stream": stream}
     if sampling is not None:
-        inputs.append(tensor("sampling_parameters", json.dumps(sampling).encode(), "BYTES", np.object_))
-    for name, value in flags.items():
-        inputs.append(tensor(name, value, "BOOL", bool))
-    return inputs
+        values["sampling_parameters"] = json.dumps(sampling)
+    return grpc_inputs(values | flags)
 
 
 @dataclass
@@ -119,7 +111,7 @@ def grpc_stream(url: str, prompt: str, sampling: dict[str, Any], model: str = "t
     out = StreamResult([], [], [], 0, [])
     try:
         client.async_stream_infer(model_name=model, model_version=version,
-                                  inputs=grpc_inputs(prompt, True, sampling, **flags), enable_empty_final_response=True)
+                                  inputs=text_inputs(prompt, True, sampling, **flags), enable_empty_final_response=True)
     except InferenceServerException as exc:  # a stream already failed (e.g. refused by auth)
         out.errors.append(str(exc))
         client.stop_stream()

@@ -50,7 +50,6 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    done: bool = False
 
 
 class EngineLoop:
@@ -71,7 +70,6 @@ class EngineLoop:
         """Queue a job (any thread). After stop() it is answered with an error at once."""
         with self._cond:
             if self._stopping:
-                job.done = True
                 job.sink.send_error("the model is shutting down")
                 return
             self._queue.append(job)
@@ -144,7 +142,6 @@ class EngineLoop:
             self._observe(self.observer.on_output if self.observer else None, job, out, now)
             if out.finished:
                 del self._active[out.request_id]
-                job.done = True
                 if out.finish_reason == "error":
                     job.sink.send_error(out.error or "model step failed")
                 else:
@@ -164,7 +161,6 @@ class EngineLoop:
             logger.exception("metrics hook failed")
 
     def _fail(self, job: Job, message: str) -> None:
-        job.done = True
         try:
             job.sink.send_error(message)
         except Exception:

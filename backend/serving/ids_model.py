@@ -12,7 +12,6 @@ Triton does not pass cancellation through an ensemble to this step, so a request
 from __future__ import annotations
 
 import json
-import logging
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import decode_text, sampling_from_dict, scalar
 from tritium.backend.serving.settings import load_settings
+from tritium.backend.serving.triton_sink import TritonSink, reject
 
-logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 SCALAR_INPUTS = {  # tensor name -> SamplingParams field
     "max_tokens": "max_tokens", "min_tokens": "min_tokens", "temperature": "temperature", "top_p": "top_p",
@@ -55,18 +54,12 @@ def parse_ids_request(inputs: dict[str, np.ndarray | None]) -> tuple[list[int], 
     return [int(t) for t in ids.reshape(-1)], sampling, bool(stream) if stream is not None else False
 
 
-class IdsSink:
+class IdsSink(TritonSink):
     def __init__(self, pb_utils: Any, sender: Any, prompt_ids: list[int], stream: bool) -> None:
-        self.pb = pb_utils
-        self.sender = sender
+        super().__init__(pb_utils, sender)
         self.stream = stream
         self.history = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])  # tokens already sent (tail) for context
         self.pending: list[int] = []
-        self.all_ids: list[int] = []
-        self.final_sent = False
-
-    def is_cancelled(self) -> bool:
-        return not self.final_sent and bool(self.sender.is_cancelled())
 
     def send_output(self, out: RequestOutput) -> None:
         if self.final_sent:
@@ -80,17 +73,6 @@ class IdsSink:
         tensors = [self.pb.Tensor("output_ids", np.array(ids, dtype=np.int32)),
                    self.pb.Tensor("context_ids", np.array(context, dtype=np.int32))]
         self._send(self.pb.InferenceResponse(output_tensors=tensors), out.finished)
-
-    def send_error(self, message: str) -> None:
-        if not self.final_sent:
-            self._send(self.pb.InferenceResponse(error=self.pb.TritonError(message)), True)
-
-    def _send(self, response: Any, final: bool) -> None:
-        self.final_sent = self.final_sent or final
-        try:
-            self.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception as exc:
-            logger.warning("could not send a response: %s", exc)
 
 
 class TritonPythonModel:
@@ -117,8 +99,7 @@ class TritonPythonModel:
                 prompt_ids, sampling, stream = parse_ids_request(inputs)
                 params = sampling_from_dict(sampling)
             except ValueError as exc:
-                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(f"invalid request: {exc}")),
-                            flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                reject(self.pb, sender, str(exc))
                 continue
             job = Job(request_id=f"ids-{next(self._ids)}", params=params,
                       sink=IdsSink(self.pb, sender, prompt_ids, stream), prompt_token_ids=prompt_ids)

@@ -7,7 +7,6 @@ Loaded by `model_repository/tritium/<version>/model.py`, which only re-exports `
 from __future__ import annotations
 
 import json
-import logging
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import TextRequest, parse_text_request
 from tritium.backend.serving.settings import load_settings
+from tritium.backend.serving.triton_sink import TritonSink, reject
 
-logger = logging.getLogger(__name__)
 TEXT_INPUTS = ("text_input", "sampling_parameters", "stream", "exclude_input_in_output", "return_finish_reason",
                "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
 
@@ -30,19 +29,13 @@ def _bytes_tensor(pb_utils: Any, name: str, text: str) -> Any:
     return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
 
 
-class TextSink:
-    """Turns engine outputs into Triton responses for one request; never touches the sender after the
-    FINAL flag (calling is_cancelled() then crashes Triton)."""
+class TextSink(TritonSink):
+    """Turns engine outputs into the text model's responses for one request."""
 
     def __init__(self, pb_utils: Any, sender: Any, request: TextRequest) -> None:
-        self.pb = pb_utils
-        self.sender = sender
+        super().__init__(pb_utils, sender)
         self.request = request
-        self.final_sent = False
         self.num_logprobs_sent = 0
-
-    def is_cancelled(self) -> bool:
-        return not self.final_sent and bool(self.sender.is_cancelled())
 
     def send_output(self, out: RequestOutput) -> None:
         if self.final_sent or (not self.request.stream and not out.finished):
@@ -67,18 +60,6 @@ class TextSink:
             payload = [{str(k): v for k, v in entry.items()} for entry in new]
             tensors.append(_bytes_tensor(self.pb, "logprobs", json.dumps(payload)))
         self._send(self.pb.InferenceResponse(output_tensors=tensors), final=out.finished)
-
-    def send_error(self, message: str) -> None:
-        if not self.final_sent:
-            self._send(self.pb.InferenceResponse(error=self.pb.TritonError(message)), final=True)
-
-    def _send(self, response: Any, final: bool) -> None:
-        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self.final_sent = self.final_sent or final
-        try:
-            self.sender.send(response, flags=flags)
-        except Exception as exc:  # e.g. the client is gone; nothing else to do for this request
-            logger.warning("could not send a response: %s", exc)
 
 
 class TritonPythonModel:
@@ -125,8 +106,7 @@ class TritonPythonModel:
             try:
                 parsed = parse_text_request(self._inputs(request, TEXT_INPUTS), self._parameters(request))
             except ValueError as exc:
-                error = self.pb.TritonError(f"invalid request: {exc}")
-                sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                reject(self.pb, sender, str(exc))
                 continue
             job = Job(request_id=f"req-{next(self._ids)}", params=parsed.params,
                       sink=TextSink(self.pb, sender, parsed), prompt=parsed.prompt)
