@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup serve run test lint bench clean
+.PHONY: setup serve run test lint bench soak clean
 
 setup: $(VENV)/.installed
 	$(BIN)/tritium models --prepare
@@ -32,6 +32,11 @@ test: setup lint
 
 bench: setup
 	$(BIN)/tritium bench offline
+
+# The full soak: 200 concurrent streams in waves for 10 minutes; the report goes to bench_results/soak.json.
+soak: setup
+	TRITIUM_SOAK_SECONDS=$${TRITIUM_SOAK_SECONDS:-600} TRITIUM_SOAK_REPORT=bench_results/soak.json \
+		$(BIN)/python -m pytest tests/test_load.py -m soak -s
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,6 +13,7 @@ from tritium.backend.attention import get_attention_backend
 from tritium.backend.block_manager import BlockManager
 from tritium.backend.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
 from tritium.backend.detokenizer import IncrementalDetokenizer
+from tritium.backend.fault_injection import FaultInjector
 from tritium.backend.model_runner import ModelRunner, kv_bytes_per_block
 from tritium.backend.models.loader import load_model
 from tritium.backend.models.registry import resolve_model
@@ -63,6 +64,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._arrivals = count()
         self._pending: list[RequestOutput] = []
+        self.faults = FaultInjector.from_env()
         logger.info(
             "tritium engine: %s, %s on %s, %s attention, %d KV blocks of %d tokens",
             self.model_path, self.dtype, self.device, backend.name, num_blocks, config.block_size,
@@ -102,6 +104,7 @@ class LLMEngine:
                 raise ValueError("prompt must be a string (or pass prompt_token_ids)")
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            self.tokenizer.check_can_fit(prompt, self.max_model_len)
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
@@ -114,7 +117,12 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens; the model's context is {self.max_model_len} tokens, "
                 "which must hold the prompt and at least one generated token"
             )
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        max_tokens = params.max_tokens
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the model's context of "
+                f"{self.max_model_len} tokens; ask for at most {self.max_model_len - len(ids)} tokens"
+            )
         if len(ids) + max_tokens > self.kv_capacity_tokens:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
@@ -150,6 +158,7 @@ class LLMEngine:
             return outputs
         t_model = time.perf_counter()
         try:
+            self.faults.check(s.seq for s in sched.scheduled)
             logits = self.runner.run(sched.scheduled)
         except Exception as exc:  # fail only the requests of this step; the engine goes on
             logger.exception("model step failed")

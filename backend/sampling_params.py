@@ -116,7 +116,10 @@ def _float(
     value = getattr(p, name)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"{name} must be {rule}, got {value}") from None
     bad = math.isnan(value) or math.isinf(value)
     bad = bad or (lo is not None and (value <= lo if lo_open else value < lo))
     bad = bad or (hi is not None and value > hi)

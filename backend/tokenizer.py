@@ -40,9 +40,21 @@ class Tokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The most UTF-8 bytes one token's text can take: a prompt longer than max_model_len times this
+        # cannot fit the context, which is known without tokenizing it.
+        texts = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        self.max_token_bytes = max(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         self.special_ids = {
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
+
+    def check_can_fit(self, text: str, max_tokens: int) -> None:
+        """Raises ValueError when `text` has more UTF-8 bytes than `max_tokens` tokens can cover, which is
+        known without tokenizing it."""
+        max_bytes = max_tokens * self.max_token_bytes
+        if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+            raise ValueError(f"prompt is longer than the model's context of {max_tokens} tokens could hold "
+                             f"(more than {max_bytes} bytes)")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 16
+MAX_SEED = 2**63 - 1
+MAX_PROMPTS = 64
+MAX_CHOICES = 64  # prompts x n in one completions request
+
+
+def _utf8(value: str | list[str] | None) -> str | list[str] | None:
+    """Reject strings that cannot be sent on as UTF-8 (lone surrogates such as JSON "\\ud800")."""
+    for text in [value] if isinstance(value, str) else value or []:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -16,7 +30,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -25,12 +39,14 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
     ignore_eos: bool = False  # extensions vLLM also accepts
     min_tokens: int = Field(default=0, ge=0)
+
+    _check_utf8 = field_validator("model", "stop", "user")(_utf8)
 
     def sampling(self, max_tokens_default: int) -> dict[str, Any]:
         """The engine's sampling fields for this request."""
@@ -55,11 +71,15 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
+    _check_prompt_utf8 = field_validator("prompt")(_utf8)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+
+    _check_utf8 = field_validator("content")(_utf8)
 
 
 class ChatRequest(SamplingFields):
@@ -72,5 +92,12 @@ class ChatRequest(SamplingFields):
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+    return AsciiJSONResponse(status_code=status,
+                             content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped, so that an error quoting bad input (a lone surrogate) still renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")

@@ -3,12 +3,13 @@
 `/v1/models`, `/v1/completions`, `/v1/chat/completions` (the chat template comes from the model's
 tokenizer), streaming as SSE ending in `data: [DONE]`. `Authorization: Bearer KEY` is checked and
 forwarded to Triton as its API key. Errors use OpenAI's shape: 400 bad field, 401 key, 404 model,
-503 no replica up.
+413 body over MAX_BODY_BYTES, 503 no replica up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -19,12 +20,77 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client.openai_protocol import ChatRequest, CompletionRequest, error_response
+from tritium.client.openai_protocol import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
+    MAX_SEED,
+    ChatRequest,
+    CompletionRequest,
+    error_response,
+)
 from tritium.client.router import Chunk, Router, UpstreamError
 
 MAX_BODY_BYTES = 4 << 20
+UNION_MEMBERS = {"str", "list[str]"}
+
+
+class RequestGuard:
+    """ASGI middleware: the API key on /v1/ paths first, then the request body, read whole and counted as it
+    arrives (a chunked body has no Content-Length): 413 once it passes `max_bytes`, 400 for a malformed
+    Content-Length. The app then gets the body in one message."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int) -> None:
+        self.app = app
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.expected_auth is not None and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, self.expected_auth):
+                await error_response(401, "Incorrect or missing API key (Authorization: Bearer ...)",
+                                     code="invalid_api_key")(scope, receive, send)
+                return
+        length = headers.get("content-length")
+        if length is not None and not (length.isascii() and length.isdigit()):
+            await error_response(400, "Content-Length must be a number of bytes")(scope, receive, send)
+            return
+        too_large = error_response(413, f"request body over {self.max_bytes} bytes")
+        if length is not None and int(length) > self.max_bytes:
+            await too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()  # later calls wait for the disconnect
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
 
 
 def _token_entries(tokenizer: Tokenizer, logprobs: list[dict[str, float]]) -> list[tuple[str, float, list]]:
@@ -54,23 +120,23 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
     app = FastAPI(title="tritium OpenAI-compatible API", lifespan=lifespan)
     app.state.router = router
 
+    app.add_middleware(RequestGuard, api_key=api_key, max_bytes=MAX_BODY_BYTES)
+
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return error_response(400, f"body is not valid JSON: {err.get('ctx', {}).get('error')}")
+        # Past the field name, pydantic also names the member of `str | list[str]` that failed: not a field.
+        loc = [str(p) for i, p in enumerate(err.get("loc", ())) if p != "body" and not (i > 1 and p in UNION_MEMBERS)]
         param = ".".join(loc) or None
         return error_response(400, f"{param or 'body'}: {err.get('msg')}", param=param)
 
-    @app.middleware("http")
-    async def auth_and_limits(request: Request, call_next: Any) -> Any:
-        if request.url.path.startswith("/v1/"):
-            if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "Incorrect or missing API key (Authorization: Bearer ...)",
-                                      code="invalid_api_key")
-            length = request.headers.get("content-length")
-            if length is not None and int(length) > MAX_BODY_BYTES:
-                return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
 
     def check_model(name: str) -> JSONResponse | None:
         if name != model:
@@ -95,7 +161,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
             for s_idx in range(n):
                 params = dict(sampling)
                 if "seed" in params and n > 1:
-                    params["seed"] = params["seed"] + s_idx
+                    params["seed"] = (params["seed"] + s_idx) % (MAX_SEED + 1)
                 index = p_idx * n + s_idx
 
                 async def pump(index: int = index, prompt: str = prompt, params: dict = params) -> None:
@@ -181,7 +247,8 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                     started.add(index)
                     yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
             except UpstreamError as exc:
-                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+                kind = "invalid_request_error" if exc.status == 400 else "server_error"
+                yield sse({"error": {"message": str(exc), "type": kind, "param": None, "code": None}})
                 return
             if include_usage:
                 u = usage({i: t for i, t in totals.items()}, n)
@@ -197,6 +264,12 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         if not prompts or any(not p for p in prompts):
             return error_response(400, "prompt must be a non-empty string or list of strings", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            return error_response(400, f"prompt may hold at most {MAX_PROMPTS} strings, got {len(prompts)}",
+                                  param="prompt")
+        if len(prompts) * body.n > MAX_CHOICES:
+            return error_response(400, f"n times the number of prompts must be at most {MAX_CHOICES}, got "
+                                  f"{body.n} x {len(prompts)}", param="n")
         sampling = body.sampling(default_max_tokens)
         want_lp = body.logprobs is not None
         if want_lp:
@@ -234,6 +307,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
             return bad
         try:
             prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+            prompt.encode("utf-8")  # an extra message field may hold a lone surrogate
         except ValueError as exc:
             return error_response(400, str(exc), param="messages")
         sampling = body.sampling(default_max_tokens)

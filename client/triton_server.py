@@ -27,6 +27,8 @@ from pathlib import Path
 SHM_PREFIX = "tritium_"
 STUB_NAME = "triton_python_backend_stub"
 PACKAGE_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+# With an API key, every Triton API but health (live, ready, model ready) needs it; metrics has its own port.
+RESTRICTED_APIS = "metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
 
 
 @dataclass
@@ -170,8 +172,8 @@ class TritonServer:
             cmd.append(f"--load-model={name}")
         if o.api_key:
             # Lower case: gRPC metadata keys are lower-cased on the wire, so any other key never matches.
-            cmd.append(f"--http-restricted-api=inference,model-repository:x-api-key={o.api_key}")
-            cmd.append(f"--grpc-restricted-protocol=inference,model-repository:x-api-key={o.api_key}")
+            cmd.append(f"--http-restricted-api={RESTRICTED_APIS}:x-api-key={o.api_key}")
+            cmd.append(f"--grpc-restricted-protocol={RESTRICTED_APIS}:x-api-key={o.api_key}")
         return cmd + o.extra_args
 
     def start(self, timeout: float = 300.0) -> None:

@@ -14,11 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from serve_helpers import Served, start_serve
 
 from tritium.backend import LLM
 from tritium.backend.models.registry import ensure_default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Served]:
+    """One `tritium serve` of the default model repository, shared by the end-to-end modules. When the
+    session ends, no stub process and no shared memory segment may be left."""
+    served = start_serve()
+    yield served
+    served.stop()
+    assert not served.leftovers(), "stubs or shared memory segments left behind"
 
 
 @pytest.fixture(scope="session")

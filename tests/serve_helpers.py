@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -38,6 +40,11 @@ class Served:
     grpc: str
     metrics: str
     output: list[str] = field(default_factory=list)
+    server_pid: int = 0  # tritonserver's own pid (also in its shm prefix)
+
+    def leftovers(self) -> list[str]:
+        """Stub processes and /dev/shm segments of this server still around (none after stop())."""
+        return [*shm_segments(f"tritium_{self.server_pid}_"), *(f"stub {p}" for p in stub_pids(self.server_pid))]
 
     def stop(self) -> str:
         if self.process.poll() is None:
@@ -67,6 +74,7 @@ def start_serve(*args: str, timeout: float = 240.0, env: dict[str, str] | None =
             raise RuntimeError("tritium serve exited:\n" + "".join(served.output))
         served.output.append(line)
         if "tritium is serving" in line:
+            served.server_pid = tritonserver_pid(served)
             return served
     served.stop()
     raise RuntimeError("tritium serve did not become ready:\n" + "".join(served.output))
@@ -81,10 +89,11 @@ def metric_value(served: Served, name: str) -> float:
     return total
 
 
-def text_inputs(prompt: str, stream: bool, sampling: dict[str, Any] | None = None, **flags: bool) -> list[Any]:
+def text_inputs(prompt: str, stream: bool, sampling: dict[str, Any] | str | None = None, **flags: bool) -> list[Any]:
+    """gRPC inputs; `sampling` is JSON-encoded unless it is a string already (sent as is)."""
     values: dict[str, str | bool] = {"text_input": prompt, "stream": stream}
     if sampling is not None:
-        values["sampling_parameters"] = json.dumps(sampling)
+        values["sampling_parameters"] = sampling if isinstance(sampling, str) else json.dumps(sampling)
     return grpc_inputs(values | flags)
 
 
@@ -97,10 +106,18 @@ class StreamResult:
     outputs: list[dict[str, Any]]
 
 
-def grpc_stream(url: str, prompt: str, sampling: dict[str, Any], model: str = "tritium", version: str = "",
-                headers: dict[str, str] | None = None, cancel_after: int | None = None, timeout: float = 120,
-                **flags: bool) -> StreamResult:
+def grpc_stream(url: str, prompt: str, sampling: dict[str, Any] | str | None, model: str = "tritium",
+                version: str = "", headers: dict[str, str] | None = None, cancel_after: int | None = None,
+                timeout: float = 120, **flags: bool) -> StreamResult:
     """One streamed request over gRPC; returns every response (text, arrival time) until the final one."""
+    return grpc_stream_inputs(url, text_inputs(prompt, True, sampling, **flags), model, version, headers,
+                              cancel_after, timeout)
+
+
+def grpc_stream_inputs(url: str, inputs: list[Any], model: str = "tritium", version: str = "",
+                       headers: dict[str, str] | None = None, cancel_after: int | None = None,
+                       timeout: float = 120) -> StreamResult:
+    """Like grpc_stream, for any list of tritonclient gRPC inputs."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -110,9 +127,11 @@ def grpc_stream(url: str, prompt: str, sampling: dict[str, Any], model: str = "t
     client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
     out = StreamResult([], [], [], 0, [])
     try:
-        client.async_stream_infer(model_name=model, model_version=version,
-                                  inputs=text_inputs(prompt, True, sampling, **flags), enable_empty_final_response=True)
-    except InferenceServerException as exc:  # a stream already failed (e.g. refused by auth)
+        client.async_stream_infer(model_name=model, model_version=version, inputs=inputs,
+                                  enable_empty_final_response=True)
+    except InferenceServerException as exc:  # the stream already failed (e.g. refused by auth)
+        with contextlib.suppress(queue.Empty):  # the reason comes through the callback
+            out.errors.append(str(results.get(timeout=5)[1]))
         out.errors.append(str(exc))
         client.stop_stream()
         client.close()
@@ -164,3 +183,75 @@ def shm_segments(prefix: str = "tritium_") -> list[str]:
 def stub_processes() -> list[str]:
     out = subprocess.run(["pgrep", "-fa", "triton_python_backend_stub"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "tritium_" in line]
+
+
+def tritonserver_pid(served: Served) -> int:
+    """The tritonserver process that `tritium serve` started (its child)."""
+    out = subprocess.run(["pgrep", "-P", str(served.process.pid)], capture_output=True, text=True).stdout.split()
+    for pid in out:
+        if "tritonserver" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            return int(pid)
+    raise RuntimeError("no tritonserver child found")
+
+
+def server_log(pid: int) -> str:
+    """tritonserver's own log (kept in the launcher's runtime folder while it runs)."""
+    for pid_file in Path(tempfile.gettempdir()).glob("tritium-serve-*/tritonserver.pid"):
+        if pid_file.read_text().strip() == str(pid):
+            return (pid_file.parent / "tritonserver.log").read_text(errors="replace")
+    raise RuntimeError(f"no runtime folder for tritonserver {pid}")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def stub_pids(server_pid: int) -> dict[int, str]:
+    """The python backend stubs of one tritonserver: pid -> model name."""
+    stubs = {}
+    for line in stub_processes():
+        pid, *args = line.split()
+        if any(f"tritium_{server_pid}_" in a for a in args):
+            stubs[int(pid)] = Path(args[1]).parent.parent.name if len(args) > 1 else "?"
+    return stubs
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local IPv4/IPv6 addresses with a socket listening on `port` (from /proc/net/tcp*)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def start_openai(upstreams: list[str], api_key: str | None = None, tokenizer: str | None = None,
+                 timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
+    """Run `tritium openai` on a free port in front of `upstreams`; returns the process and its /v1 URL."""
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "tritium.client.cli", "openai", f"--port={port}"]
+    cmd += [f"--upstream={u}" for u in upstreams]
+    if api_key:
+        cmd.append(f"--api-key={api_key}")
+    if tokenizer:
+        cmd.append(f"--tokenizer={tokenizer}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base + "/v1"
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read() if proc.stdout else "the OpenAI endpoint died")
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the OpenAI endpoint did not come up")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tritium.backend import LLM, SamplingParams
+from tritium.backend.fault_injection import FaultInjector
 
 
 @pytest.fixture
@@ -30,6 +31,20 @@ def test_bad_requests_raise_before_touching_the_engine(tiny: LLM, kwargs: dict, 
         engine.add_request("bad", params=SamplingParams(), **kwargs)
     assert not engine.requests and not engine.scheduler.waiting
     assert tiny.generate("still serving", SamplingParams(max_tokens=3, temperature=0))[0].finish_reason == "length"
+
+
+def test_max_tokens_beyond_the_context_is_refused(tiny: LLM) -> None:
+    with pytest.raises(ValueError, match=r"max_tokens \(1000000000\) \+ prompt \(\d+ tokens\) exceeds the model"):
+        tiny.engine.add_request("huge", "hello", SamplingParams(max_tokens=10**9))
+    assert not tiny.engine.requests
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(tiny: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tiny.engine
+    limit = engine.max_model_len * engine.tokenizer.max_token_bytes
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless prompt"))
+    with pytest.raises(ValueError, match="longer than the model's context of 1024 tokens could hold"):
+        engine.add_request("long", "x" * (limit + 1), SamplingParams())
 
 
 def test_request_larger_than_the_kv_cache_is_refused(make_llm: Callable[..., LLM], tiny_llama_path: Path) -> None:
@@ -118,6 +133,21 @@ def test_model_failure_fails_only_that_step(tiny: LLM, monkeypatch: pytest.Monke
     assert "injected" in (outs[0].error or "")
     monkeypatch.setattr(engine.runner, "run", real_run)
     assert tiny.generate("fine", SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+
+def test_injected_fault_fails_only_the_requests_of_that_step(tiny: LLM) -> None:
+    engine = tiny.engine
+    engine.faults = FaultInjector("<<poison>>")
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("running", "Once upon a time", greedy)
+    engine.step()
+    engine.add_request("poison", "<<poison>> and more", greedy)
+    outs = {o.request_id: o for o in engine.step()}
+    assert {k: o.finish_reason for k, o in outs.items()} == {"running": "error", "poison": "error"}
+    assert all("injected fault" in (o.error or "") for o in outs.values())
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    after = tiny.generate("Once upon a time", greedy)[0]
+    assert after.finish_reason == "length" and len(after.token_ids) == 6
 
 
 def test_bf16_generates(make_llm: Callable[..., LLM], tiny_llama_path: Path) -> None:

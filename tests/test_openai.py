@@ -2,45 +2,29 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import asyncio
+import json
+import re
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 import requests
-from serve_helpers import Served, free_ports, metric_value, start_serve
+from fastapi.responses import JSONResponse
+from serve_helpers import Served, metric_value, start_openai, start_serve
+from starlette.types import Message, Receive, Scope, Send
 
 from tritium.backend.tokenizer import Tokenizer
+from tritium.client.openai_server import RequestGuard
 from tritium.client.router import prefix_score
 
 pytestmark = pytest.mark.slow
 KEY = "sk-tritium-test"
 PROMPT = "Once upon a time, in a small village,"
-
-
-def start_openai(upstreams: list[str], api_key: str | None = KEY) -> tuple[subprocess.Popen[str], str]:
-    (port,) = free_ports(1)
-    cmd = [sys.executable, "-m", "tritium.client.cli", "openai", f"--port={port}"]
-    cmd += [f"--upstream={u}" for u in upstreams]
-    if api_key:
-        cmd.append(f"--api-key={api_key}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base + "/v1"
-        except requests.ConnectionError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read() if proc.stdout else "openai server died")
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the OpenAI endpoint did not come up")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +36,7 @@ def triton() -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def client(triton: Served) -> Iterator[openai.OpenAI]:
-    proc, base = start_openai([triton.grpc])
+    proc, base = start_openai([triton.grpc], api_key=KEY)
     yield openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
     proc.terminate()
     proc.wait(10)
@@ -172,3 +156,153 @@ def test_client_disconnect_cancels_the_upstream_request(client: openai.OpenAI, t
     assert metric_value(triton, "tritium_kv_cache_used_blocks") == 0
     assert metric_value(triton, "tritium_num_requests_running") == 0
     assert client.completions.create(model="tritium", prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "tritium", "prompt": "Hello", "max_tokens": 2} | fields
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "tritium", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2} | fields
+
+
+def _assert_still_serving(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="tritium", prompt="Hello", max_tokens=1, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+# (endpoint, body, status, word the error message must hold). Those marked "engine" pass the endpoint's checks
+# and are refused by the engine (Triton's "invalid request"), which must still reach the client as 400.
+BAD_BODIES = [
+    pytest.param("completions", _completion(prompt=""), 400, "prompt", id="empty-prompt"),
+    pytest.param("completions", _completion(prompt="word " * 9000), 400, "context", id="prompt-over-context-engine"),
+    pytest.param("completions", _completion(max_tokens=0), 400, "max_tokens", id="max-tokens-0"),
+    pytest.param("completions", _completion(max_tokens=-1), 400, "max_tokens", id="max-tokens-negative"),
+    pytest.param("completions", _completion(max_tokens=10**9), 400, "max_tokens", id="max-tokens-huge-engine"),
+    pytest.param("completions", _completion(max_tokens=10**9, stream=True), 400, "max_tokens",
+                 id="max-tokens-huge-stream-engine"),
+    pytest.param("completions", _completion(temperature=-1), 400, "temperature", id="temperature-negative"),
+    pytest.param("completions", _completion(top_p=0), 400, "top_p", id="top-p-0"),
+    pytest.param("completions", _completion(top_p=1.5), 400, "top_p", id="top-p-over-1"),
+    pytest.param("completions", _completion(seed=-1), 400, "seed", id="seed-negative"),
+    pytest.param("completions", _completion(seed=2**64), 400, "seed", id="seed-over-64-bits"),
+    pytest.param("completions", _completion(stop=[f"s{i}" for i in range(1000)]), 400, "stop",
+                 id="stop-1000-engine"),
+    pytest.param("completions", _completion(stop=[f"s{i}" for i in range(1000)], stream=True), 400, "stop",
+                 id="stop-1000-stream-engine"),
+    pytest.param("completions", _completion(logprobs=21), 400, "logprobs", id="logprobs-21"),
+    pytest.param("completions", _completion(n=17), 400, "n", id="n-17"),
+    pytest.param("completions", _completion(prompt=["Hello"] * 65), 400, "prompt", id="prompts-65"),
+    pytest.param("completions", _completion(prompt=["Hello"] * 8, n=9), 400, "n", id="choices-72"),
+    pytest.param("completions", _completion(prompt=42), 400, "prompt", id="prompt-a-number"),
+    pytest.param("completions", _completion(model="gpt-4"), 404, "model", id="unknown-model"),
+    pytest.param("chat", _chat(messages=[]), 400, "messages", id="chat-no-messages"),
+    pytest.param("chat", _chat(max_tokens=0), 400, "max_tokens", id="chat-max-tokens-0"),
+    pytest.param("chat", _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", id="chat-top-logprobs-21"),
+    pytest.param("chat", _chat(messages=[{"role": "user", "content": "word " * 9000}], stream=True), 400, "context",
+                 id="chat-over-context-stream-engine"),
+    pytest.param("chat", _chat(model="gpt-4"), 404, "model", id="chat-unknown-model"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "names"), BAD_BODIES)
+def test_bad_request_is_a_clear_4xx_and_the_server_keeps_serving(
+        client: openai.OpenAI, endpoint: str, body: dict[str, Any], status: int, names: str) -> None:
+    create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+    with pytest.raises(openai.APIStatusError) as err:
+        result = create(**body)
+        if body.get("stream"):
+            list(result)
+    assert err.value.status_code == status
+    error = err.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert re.search(rf"\b{re.escape(names)}\b", error["message"]), error
+    _assert_still_serving(client)
+
+
+def _ten_megabytes() -> bytes:
+    return json.dumps({"model": "tritium", "prompt": "x" * (10 << 20)}).encode()
+
+
+def _over_the_limit_in_chunks() -> Iterator[bytes]:
+    yield b'{"model": "tritium", "prompt": "'
+    for _ in range(50):
+        yield b"x" * 100_000
+    yield b'"}'
+
+
+# Raw bodies the `openai` client would not send: (path, text or a function making the body, status, word).
+RAW_BODIES = [
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "temperature": NaN}', 400, "temperature",
+                 id="temperature-nan"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi \\ud800"}', 400, "prompt", id="surrogate-prompt"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "stop": ["\\udc00"]}', 400, "stop",
+                 id="surrogate-stop"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "user": "\\ud800"}', 400, "user",
+                 id="surrogate-user"),
+    pytest.param("chat/completions", '{"model": "tritium", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                 400, "messages.0.content", id="surrogate-chat-content"),
+    pytest.param("chat/completions", '{"model": "tritium", "messages": "Hello"}', 400, "messages",
+                 id="messages-not-a-list"),
+    pytest.param("completions", '{"model": "tritium", "prompt": ', 400, "JSON", id="not-json"),
+    pytest.param("completions", _ten_megabytes, 413, "body", id="10-MB-body"),
+    pytest.param("completions", _over_the_limit_in_chunks, 413, "body", id="chunked-body-over-the-limit"),
+]
+
+
+@pytest.mark.parametrize(("path", "data", "status", "names"), RAW_BODIES)
+def test_bad_raw_body_is_a_clear_4xx(client: openai.OpenAI, path: str, data: str | Callable[[], Any], status: int,
+                                     names: str) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    resp = requests.post(f"{client.base_url}{path}", data=data() if callable(data) else data.encode(),
+                         headers=headers, timeout=60)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert names in error["message"], error
+    _assert_still_serving(client)
+
+
+def test_content_length_that_is_not_a_number_is_400(client: openai.OpenAI) -> None:
+    with socket.create_connection((client.base_url.host, client.base_url.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 12abc\r\n\r\n{}")
+        assert conn.recv(4096).startswith(b"HTTP/1.1 400 ")
+    _assert_still_serving(client)
+
+
+def test_request_guard_counts_the_body_as_it_arrives() -> None:
+    """Straight at the middleware: a Content-Length an HTTP server let through, and bodies without one."""
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        await JSONResponse({"got": len(message["body"])})(scope, receive, send)
+
+    guard = RequestGuard(app, api_key=None, max_bytes=10)
+
+    async def call(headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, bytes]:
+        messages = [{"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)} for i, c in enumerate(chunks)]
+        sent: list[Message] = []
+
+        async def receive() -> Message:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        await guard({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive, send)
+        return sent[0]["status"], sent[1]["body"]
+
+    assert asyncio.run(call([(b"content-length", b"1x")], [b"{}"]))[0] == 400
+    assert asyncio.run(call([(b"content-length", b"11")], [b"12345678901"]))[0] == 413
+    status, body = asyncio.run(call([], [b"12345", b"678901"]))
+    assert status == 413 and json.loads(body)["error"]["message"] == "request body over 10 bytes"
+    assert asyncio.run(call([], [b"12345", b"67890"])) == (200, b'{"got":10}')
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+@pytest.mark.parametrize(("method", "path"), [("GET", "models"), ("POST", "completions"),
+                                              ("POST", "chat/completions")])
+def test_missing_or_wrong_api_key_is_401(client: openai.OpenAI, key: str | None, method: str, path: str) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    resp = requests.request(method, f"{client.base_url}{path}", json=_completion(), headers=headers, timeout=30)
+    assert resp.status_code == 401
+    assert resp.json()["error"]["code"] == "invalid_api_key"

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tritium.backend.detokenizer import IncrementalDetokenizer
+from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.serving.ids_model import parse_ids_request
-from tritium.backend.serving.request import parse_text_request
+from tritium.backend.serving.request import FLAG_INPUTS, parse_text_request
 from tritium.backend.serving.text_codec_models import decode_delta, encode_prompt
 from tritium.backend.tokenizer import Tokenizer
 
@@ -77,3 +80,52 @@ def test_codec_round_trip_keeps_spaces_and_multibyte(default_model_path: Path) -
     assert text == " héllo 日本 🎉 world" and groups < len(out)  # some characters took several tokens
     chat = encode_prompt(tok, "Hi", chat=True)
     assert chat[0] == tok.token_to_id("<|im_start|>")
+
+
+FIELD_NAMES = ["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+               "stop_token_ids", "logprobs", "ignore_eos", "repetition_penalty", "skip_special_tokens"]
+JSON_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20)
+                | st.sampled_from(["0", "1", "-1", "16", "0.5", "1e999", "NaN", "true", "[]", '["a"]', "[1]",
+                                   2**63, 2**64, 10**400, -(10**400)]))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+SAMPLING_DICTS = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=10), JSON_VALUES, max_size=6)
+
+
+def _bytes_array(values: list[bytes]) -> np.ndarray:
+    return np.array(values, dtype=object)
+
+
+@st.composite
+def triton_requests(draw: st.DrawFn) -> tuple[dict[str, np.ndarray | None], dict[str, object]]:
+    """What a Triton request can carry: a text_input of any bytes/shape, sampling_parameters that may or
+    may not be JSON, flag tensors of any type, and request parameters of any JSON scalar."""
+    prompt = draw(st.none() | st.binary(max_size=40) | st.text(max_size=40).map(lambda t: t.encode("utf-8",
+                                                                                                  "surrogatepass")))
+    inputs: dict[str, np.ndarray | None] = {"text_input": None}
+    if prompt is not None:
+        inputs["text_input"] = _bytes_array([prompt] * draw(st.integers(1, 2)))
+    sampling = draw(st.none() | st.binary(max_size=30) | SAMPLING_DICTS.map(lambda d: json.dumps(d).encode())
+                    | JSON_VALUES.map(lambda v: json.dumps(v).encode()))
+    inputs["sampling_parameters"] = None if sampling is None else _bytes_array([sampling])
+    for flag in FLAG_INPUTS:
+        value = draw(st.none() | st.booleans() | st.integers(-2, 2) | st.binary(max_size=5))
+        if value is not None:
+            inputs[flag] = _bytes_array([value]) if isinstance(value, bytes) else np.array([value])
+    params = draw(st.dictionaries(st.sampled_from([*FIELD_NAMES, *FLAG_INPUTS, "triton_x"]) | st.text(max_size=8),
+                                  JSON_SCALARS, max_size=5))
+    return inputs, params
+
+
+@settings(max_examples=500, deadline=None)
+@given(triton_requests())
+def test_request_parser_accepts_or_raises_value_error(request: tuple[dict[str, np.ndarray | None], dict]) -> None:
+    inputs, params = request
+    try:
+        parsed = parse_text_request(inputs, params)
+    except ValueError as exc:
+        assert str(exc)  # the documented error, with a message naming the problem
+        return
+    assert parsed.prompt and isinstance(parsed.params, SamplingParams)
+    parsed.params._validate()  # what was accepted is valid
+    assert parsed.params.max_tokens >= 1 and 0 < parsed.params.top_p <= 1

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.serving.request import decode_text, scalar
 from tritium.backend.serving.settings import load_settings
@@ -18,9 +19,12 @@ from tritium.backend.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def _tokenizer(args: dict[str, Any]) -> Tokenizer:
+def _tokenizer(args: dict[str, Any]) -> tuple[Tokenizer, int]:
+    """The tokenizer of the version's model folder and the model's context length."""
     settings = load_settings(Path(args["model_repository"]) / args["model_version"])
-    return Tokenizer(resolve_model(settings.engine.model))
+    folder = resolve_model(settings.engine.model)
+    context = settings.engine.max_model_len or ModelConfig.from_folder(folder).max_position_embeddings
+    return Tokenizer(folder), context
 
 
 def _error(pb_utils: Any, message: str) -> Any:
@@ -46,7 +50,7 @@ class _TokenizerModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
-        self.tokenizer = _tokenizer(args)
+        self.tokenizer, self.context_len = _tokenizer(args)
 
 
 class PreprocessingModel(_TokenizerModel):
@@ -63,6 +67,7 @@ class PreprocessingModel(_TokenizerModel):
                     raise ValueError("text_input must not be empty")
                 chat_t = pb.get_input_tensor_by_name(request, "apply_chat_template")
                 chat = bool(scalar("apply_chat_template", chat_t.as_numpy())) if chat_t is not None else False
+                self.tokenizer.check_can_fit(text, self.context_len)
                 ids = encode_prompt(self.tokenizer, text, chat)
                 responses.append(pb.InferenceResponse(output_tensors=[
                     pb.Tensor("input_ids", np.array(ids, dtype=np.int32)),

@@ -1,0 +1,139 @@
+"""Faults through a real tritonserver: a model step that raises, a KV cache too small for the load, a
+request that can never fit, and tritonserver killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from serve_helpers import Served, grpc_stream, http_generate, metric_value, shm_segments, start_serve, stub_pids
+
+from tritium.backend.fault_injection import FAULT_MARKER_ENV
+from tritium.client.triton_server import PACKAGE_REPOSITORY
+
+pytestmark = pytest.mark.slow
+MARKER = "<<tritium-fault>>"
+BLOCK_BYTES = 2 * 3 * 2 * 16 * 4 * 16  # K and V x 3 layers x 2 KV heads x head_dim 16 x fp32 x 16 tokens (tiny Llama)
+SMALL_KV_BLOCKS = 12
+
+
+def tiny_repository(dest: Path, model: Path) -> Path:
+    """The `tritium` model with two versions of the tiny Llama: 1 with room, 2 with a 12-block KV cache."""
+    shutil.copytree(PACKAGE_REPOSITORY / "tritium", dest / "tritium")
+    config = dest / "tritium" / "config.pbtxt"
+    config.write_text(config.read_text().replace("latest: { num_versions: 1 }", "all: {}"))
+    shutil.copytree(dest / "tritium" / "1", dest / "tritium" / "2")
+    common = {"model": str(model), "request_timeout_s": 120}
+    (dest / "tritium" / "1" / "model.json").write_text(json.dumps(common | {"kv_cache_bytes": 16 << 20}))
+    (dest / "tritium" / "2" / "model.json").write_text(json.dumps(common | {"kv_cache_bytes": SMALL_KV_BLOCKS *
+                                                                            BLOCK_BYTES}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> Path:
+    return tiny_repository(tmp_path_factory.mktemp("fault-repo"), tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def faulty(repo: Path) -> Iterator[Served]:
+    served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium",
+                         env={FAULT_MARKER_ENV: MARKER})
+    yield served
+    served.stop()
+    assert not served.leftovers()
+
+
+def wait_for(condition: object, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def kv_empty(served: Served) -> bool:
+    return (metric_value(served, "tritium_kv_cache_used_blocks") == 0
+            and metric_value(served, "tritium_num_requests_running") == 0)
+
+
+def test_a_failing_model_step_fails_only_its_requests(faulty: Served) -> None:
+    long = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    before = metric_value(faulty, "tritium_generation_tokens_total")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(grpc_stream, faulty.grpc, "Once upon a time", long, version="1")
+        assert wait_for(lambda: metric_value(faulty, "tritium_generation_tokens_total") >= before + 5)
+        poisoned = grpc_stream(faulty.grpc, f"{MARKER} tell me a story", long, version="1")
+        victim = running.result(120)
+    assert len(poisoned.errors) == 1 and "injected fault" in poisoned.errors[0] and poisoned.finals == 0
+    # The running request shared the failed step: it ends with one error after the text it already had.
+    assert len(victim.errors) == 1 and "injected fault" in victim.errors[0] and victim.finals == 0
+    assert 5 <= len(victim.texts) < 1000
+    after = grpc_stream(faulty.grpc, "Once upon a time", {"max_tokens": 8, "temperature": 0}, version="1")
+    assert not after.errors and after.finals == 1 and after.texts
+    assert wait_for(lambda: kv_empty(faulty))
+
+
+def test_kv_exhaustion_preempts_instead_of_failing(faulty: Served) -> None:
+    sampling = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    prompts = [f"Request {i} asks for a long answer about" for i in range(6)]  # 6 x ~5 blocks > 12 blocks
+    before = metric_value(faulty, "tritium_num_preemptions_total")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: grpc_stream(faulty.grpc, p, sampling, version="2",
+                                                       return_num_output_tokens=True), prompts))
+    for r in results:
+        assert not r.errors and r.finals == 1
+        assert int(r.outputs[-1]["num_output_tokens"][0]) == 60
+    assert wait_for(lambda: metric_value(faulty, "tritium_num_preemptions_total") > before, 10)
+    assert wait_for(lambda: kv_empty(faulty))
+
+
+def test_a_request_that_can_never_fit_gets_a_clear_error(faulty: Served) -> None:
+    capacity = SMALL_KV_BLOCKS * 16
+    result = grpc_stream(faulty.grpc, "Once upon a time", {"max_tokens": capacity}, version="2")
+    assert len(result.errors) == 1 and f"exceeds the KV cache capacity of {capacity} tokens" in result.errors[0]
+    body = {"text_input": "Hello", "max_tokens": 4}
+    assert http_generate(faulty.http, body, version="2").status_code == 200
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_restart_after_kill_9_comes_back_clean(repo: Path) -> None:
+    args = (f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
+    # tritonserver killed, the launcher alive: the launcher notices, cleans up and exits with an error.
+    first = start_serve(*args)
+    os.kill(first.server_pid, signal.SIGKILL)
+    assert first.process.wait(60) == 1
+    assert "tritonserver exited with -9" in first.stop()
+    assert not first.leftovers()
+    # Both killed (as by the OOM killer): the stubs and shared memory stay behind ...
+    second = start_serve(*args)
+    os.kill(second.process.pid, signal.SIGKILL)
+    os.kill(second.server_pid, signal.SIGKILL)
+    second.process.wait(10)
+    assert wait_for(lambda: not _pid_alive(second.server_pid), 10)
+    assert shm_segments(f"tritium_{second.server_pid}_"), "expected the killed server's shared memory"
+    # ... until the next `tritium serve` removes them, and serves.
+    third = start_serve(*args)
+    try:
+        assert not second.leftovers()
+        assert stub_pids(third.server_pid)
+        resp = http_generate(third.http, {"text_input": "Hello", "max_tokens": 3}, version="1")
+        assert resp.status_code == 200, resp.text
+    finally:
+        third.stop()
+    assert not third.leftovers()
