@@ -18,6 +18,7 @@ from typing import Protocol
 from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.serving.heap import heap_trimmer
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
@@ -61,6 +62,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._stopping = False
         self._last_cancel_poll = 0.0
+        self._trim_heap = heap_trimmer()
         self._thread = threading.Thread(target=self._run, name="tritium-engine", daemon=True)
 
     def start(self) -> None:
@@ -90,8 +92,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
-            if not self._queue and not self._active:  # going idle: publish the final metric values
+            if not self._queue and not self._active:  # going idle: final metric values, free heap pages
                 self._observe(self.observer.on_step if self.observer else None, self.engine, time.monotonic(), True)
+                self._trim_heap()
             with self._cond:
                 while not self._stopping and not self._queue and not self._active:
                     self._cond.wait(IDLE_WAIT_S)
