@@ -25,7 +25,7 @@ from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import decode_text, sampling_from_dict, scalar
 from tritium.backend.serving.settings import load_settings
-from tritium.backend.serving.triton_sink import TritonSink, reject
+from tritium.backend.serving.triton_sink import TritonSink, read_inputs, reject
 
 DEFAULT_TIMEOUT_S = 300.0
 SCALAR_INPUTS = {  # tensor name -> SamplingParams field
@@ -92,11 +92,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = {}
-                for name in self.input_names:
-                    tensor = self.pb.get_input_tensor_by_name(request, name)
-                    inputs[name] = None if tensor is None else tensor.as_numpy()
-                prompt_ids, sampling, stream = parse_ids_request(inputs)
+                prompt_ids, sampling, stream = parse_ids_request(read_inputs(self.pb, request, self.input_names))
                 params = sampling_from_dict(sampling)
             except ValueError as exc:
                 reject(self.pb, sender, str(exc))

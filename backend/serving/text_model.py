@@ -19,7 +19,7 @@ from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import TextRequest, parse_text_request
 from tritium.backend.serving.settings import load_settings
-from tritium.backend.serving.triton_sink import TritonSink, reject
+from tritium.backend.serving.triton_sink import TritonSink, read_inputs, reject
 
 TEXT_INPUTS = ("text_input", "sampling_parameters", "stream", "exclude_input_in_output", "return_finish_reason",
                "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
@@ -85,13 +85,6 @@ class TritonPythonModel:
         print(f"tritium {args['model_name']} version {args['model_version']} ready "
               f"({torch.get_num_threads()} torch threads)", flush=True)
 
-    def _inputs(self, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray | None]:
-        inputs = {}
-        for name in names:
-            tensor = self.pb.get_input_tensor_by_name(request, name)
-            inputs[name] = None if tensor is None else tensor.as_numpy()
-        return inputs
-
     @staticmethod
     def _parameters(request: Any) -> dict[str, Any]:
         raw = request.parameters()
@@ -104,7 +97,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_text_request(self._inputs(request, TEXT_INPUTS), self._parameters(request))
+                parsed = parse_text_request(read_inputs(self.pb, request, TEXT_INPUTS), self._parameters(request))
             except ValueError as exc:
                 reject(self.pb, sender, str(exc))
                 continue

@@ -1,11 +1,23 @@
-"""The part of a Triton response sink every tritium model shares: FINAL bookkeeping and error replies."""
+"""What every tritium Triton model shares: reading inputs, FINAL bookkeeping and error replies."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
+
+
+def read_inputs(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, np.ndarray | None]:
+    """The request's input tensors by name as numpy arrays; None for an input it does not carry."""
+    inputs = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        inputs[name] = None if tensor is None else tensor.as_numpy()
+    return inputs
 
 
 def reject(pb_utils: Any, sender: Any, message: str) -> None:
