@@ -53,7 +53,7 @@ class TritonInstall:
     library_path: list[str]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -99,7 +99,7 @@ def clean_stale(prefix: str = SHM_PREFIX) -> list[str]:
         for seg in shm.iterdir():
             if seg.name.startswith(prefix):
                 pid = seg.name[len(prefix):].split("_", 1)[0]
-                if pid.isdigit() and not _pid_alive(int(pid)):
+                if pid.isdigit() and not pid_alive(int(pid)):
                     dead.add(f"{prefix}{pid}_")
                     seg.unlink(missing_ok=True)
                     removed.append(str(seg))
@@ -112,7 +112,7 @@ def clean_stale(prefix: str = SHM_PREFIX) -> list[str]:
             continue
         if STUB_NAME in cmd and prefix in cmd:
             owner = cmd.split(prefix, 1)[1].split("_", 1)[0]
-            if owner.isdigit() and not _pid_alive(int(owner)):
+            if owner.isdigit() and not pid_alive(int(owner)):
                 os.kill(int(proc.name), signal.SIGKILL)
                 removed.append(f"stub pid {proc.name}")
     tmp = Path(tempfile.gettempdir())
@@ -122,7 +122,7 @@ def clean_stale(prefix: str = SHM_PREFIX) -> list[str]:
             pid = int(pid_file.read_text())
         except (OSError, ValueError):
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(runtime, ignore_errors=True)
             removed.append(str(runtime))
     return removed

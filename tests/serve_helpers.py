@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,22 @@ def start_serve(*args: str, timeout: float = 240.0, env: dict[str, str] | None =
             return served
     served.stop()
     raise RuntimeError("tritium serve did not become ready:\n" + "".join(served.output))
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0, interval: float = 0.2) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def wait_until_idle(served: Served, timeout: float = 120.0) -> bool:
+    """Wait until the KV cache is empty and no request runs or waits (the gauges are pushed every 0.5 s)."""
+    names = ("tritium_kv_cache_used_blocks", "tritium_num_requests_running", "tritium_num_requests_waiting")
+    return wait_for(lambda: all(metric_value(served, name) == 0 for name in names), timeout, 0.5)
 
 
 def metric_value(served: Served, name: str) -> float:

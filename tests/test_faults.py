@@ -7,16 +7,25 @@ import json
 import os
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from serve_helpers import Served, grpc_stream, http_generate, metric_value, shm_segments, start_serve, stub_pids
+from serve_helpers import (
+    Served,
+    grpc_stream,
+    http_generate,
+    metric_value,
+    shm_segments,
+    start_serve,
+    stub_pids,
+    wait_for,
+    wait_until_idle,
+)
 
 from tritium.backend.fault_injection import FAULT_MARKER_ENV
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.triton_server import PACKAGE_REPOSITORY, pid_alive
 
 pytestmark = pytest.mark.slow
 MARKER = "<<tritium-fault>>"
@@ -51,20 +60,6 @@ def faulty(repo: Path) -> Iterator[Served]:
     assert not served.leftovers()
 
 
-def wait_for(condition: object, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def kv_empty(served: Served) -> bool:
-    return (metric_value(served, "tritium_kv_cache_used_blocks") == 0
-            and metric_value(served, "tritium_num_requests_running") == 0)
-
-
 def test_a_failing_model_step_fails_only_its_requests(faulty: Served) -> None:
     long = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     before = metric_value(faulty, "tritium_generation_tokens_total")
@@ -79,7 +74,7 @@ def test_a_failing_model_step_fails_only_its_requests(faulty: Served) -> None:
     assert 5 <= len(victim.texts) < 1000
     after = grpc_stream(faulty.grpc, "Once upon a time", {"max_tokens": 8, "temperature": 0}, version="1")
     assert not after.errors and after.finals == 1 and after.texts
-    assert wait_for(lambda: kv_empty(faulty))
+    assert wait_until_idle(faulty)
 
 
 def test_kv_exhaustion_preempts_instead_of_failing(faulty: Served) -> None:
@@ -93,7 +88,7 @@ def test_kv_exhaustion_preempts_instead_of_failing(faulty: Served) -> None:
         assert not r.errors and r.finals == 1
         assert int(r.outputs[-1]["num_output_tokens"][0]) == 60
     assert wait_for(lambda: metric_value(faulty, "tritium_num_preemptions_total") > before, 10)
-    assert wait_for(lambda: kv_empty(faulty))
+    assert wait_until_idle(faulty)
 
 
 def test_a_request_that_can_never_fit_gets_a_clear_error(faulty: Served) -> None:
@@ -102,14 +97,6 @@ def test_a_request_that_can_never_fit_gets_a_clear_error(faulty: Served) -> None
     assert len(result.errors) == 1 and f"exceeds the KV cache capacity of {capacity} tokens" in result.errors[0]
     body = {"text_input": "Hello", "max_tokens": 4}
     assert http_generate(faulty.http, body, version="2").status_code == 200
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_restart_after_kill_9_comes_back_clean(repo: Path) -> None:
@@ -125,7 +112,7 @@ def test_restart_after_kill_9_comes_back_clean(repo: Path) -> None:
     os.kill(second.process.pid, signal.SIGKILL)
     os.killpg(second.server_pid, signal.SIGKILL)  # tritonserver leads its own process group, stubs included
     second.process.wait(10)
-    assert wait_for(lambda: not _pid_alive(second.server_pid), 10)
+    assert wait_for(lambda: not pid_alive(second.server_pid), 10)
     assert shm_segments(f"tritium_{second.server_pid}_"), "expected the killed server's shared memory"
     # ... until the next `tritium serve` removes them, and serves.
     third = start_serve(*args)

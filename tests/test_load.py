@@ -16,24 +16,13 @@ from pathlib import Path
 
 import pytest
 from load_driver import PROMPTS, Outcome, grpc_request, http_request, openai_request, percentile
-from serve_helpers import Served, http_generate, metric_value, rss_bytes, start_openai, stub_pids
+from serve_helpers import Served, http_generate, rss_bytes, start_openai, stub_pids, wait_until_idle
 
 pytestmark = pytest.mark.slow
 SOAK_CONCURRENCY = int(os.environ.get("TRITIUM_SOAK_CONCURRENCY", "200"))
 SOAK_SECONDS = float(os.environ.get("TRITIUM_SOAK_SECONDS", "0"))  # 0: one measured wave (CI)
 SOAK_MAX_TOKENS = (4, 12) if SOAK_SECONDS == 0 else (8, 48)
 MEMORY_MARGIN = 0.10  # the server may end at most 10% (+ 32 MiB) above where it started
-
-
-def wait_until_idle(served: Served, timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(metric_value(served, name) == 0 for name in ("tritium_kv_cache_used_blocks",
-                                                           "tritium_num_requests_running",
-                                                           "tritium_num_requests_waiting")):
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def server_memory(served: Served) -> dict[str, int]:

@@ -15,7 +15,7 @@ import openai
 import pytest
 import requests
 from fastapi.responses import JSONResponse
-from serve_helpers import Served, metric_value, start_openai, start_serve
+from serve_helpers import Served, metric_value, start_openai, start_serve, wait_for, wait_until_idle
 from starlette.types import Message, Receive, Scope, Send
 
 from tritium.backend.tokenizer import Tokenizer
@@ -145,16 +145,9 @@ def test_client_disconnect_cancels_the_upstream_request(client: openai.OpenAI, t
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith(b"data:") for line in got)
-        deadline = time.monotonic() + 10  # gauges are pushed every 0.5 s
-        while time.monotonic() < deadline and metric_value(triton, "tritium_num_requests_running") < 1:
-            time.sleep(0.2)
-        assert metric_value(triton, "tritium_num_requests_running") >= 1
+        assert wait_for(lambda: metric_value(triton, "tritium_num_requests_running") >= 1, 10)
     # The connection is closed mid-stream: the endpoint must cancel the gRPC stream, and Triton the request.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and metric_value(triton, "tritium_kv_cache_used_blocks") > 0:
-        time.sleep(0.5)
-    assert metric_value(triton, "tritium_kv_cache_used_blocks") == 0
-    assert metric_value(triton, "tritium_num_requests_running") == 0
+    assert wait_until_idle(triton, 60)
     assert client.completions.create(model="tritium", prompt="Hello", max_tokens=2).choices[0].text is not None
 
 

@@ -17,6 +17,7 @@ from serve_helpers import (
     http_stream,
     metric_value,
     start_serve,
+    wait_until_idle,
 )
 
 from tritium.backend import LLM, SamplingParams
@@ -78,13 +79,7 @@ def test_cancel_mid_stream_frees_the_kv_cache(server: Served) -> None:
     result = grpc_stream(server.grpc, PROMPT, {"max_tokens": 4000, "ignore_eos": True, "temperature": 0},
                          cancel_after=3)
     assert len(result.texts) >= 3 and result.finals == 0
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if metric_value(server, "tritium_kv_cache_used_blocks") == 0 and \
-                metric_value(server, "tritium_num_requests_running") == 0:
-            break
-        time.sleep(0.5)
-    assert metric_value(server, "tritium_kv_cache_used_blocks") == 0
+    assert wait_until_idle(server, 60)
     assert http_generate(server.http, {"text_input": "Hello", "max_tokens": 3}).status_code == 200
 
 
