@@ -34,7 +34,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Kernel entry points for one implementation (a module with the DESIGN.md interface)."""
+    """Kernel entry points for one implementation (a module with the interface in docs/architecture.md)."""
 
     def __init__(self, name: str, ops: ModuleType) -> None:
         self.name = name

@@ -12,15 +12,19 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-CUDA_KV_CACHE_FRACTION = 0.85
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
 class EngineConfig:
     """How to build an engine. `model=None` is the embedded default model.
 
-    dtype "auto" is float32 on a CPU and bfloat16 on CUDA. kv_cache_bytes None is 1 GiB on a CPU
-    and 85% of the free GPU memory after loading on CUDA. max_model_len None is the model's own.
+    dtype "auto" is float32 on a CPU and bfloat16 on CUDA. kv_cache_bytes None is 1 GiB on a CPU;
+    on CUDA it is what is left of `gpu_memory_utilization` x the device's total memory (the share
+    this engine may use, weights and activations included; engines sharing a GPU split it) once the
+    weights and the activations of a max_num_batched_tokens forward pass are counted
+    (see memory_budget.py). A set kv_cache_bytes wins. max_model_len None is the model's own; the KV
+    cache must hold one sequence of max_model_len tokens or the engine refuses to start.
     """
 
     model: str | None = None
@@ -28,6 +32,7 @@ class EngineConfig:
     device: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
@@ -50,6 +55,10 @@ class EngineConfig:
             )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

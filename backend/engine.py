@@ -1,4 +1,4 @@
-"""The streaming engine: add requests, step, abort. One thread drives it (see DESIGN.md)."""
+"""The streaming engine: add requests, step, abort. One thread drives it (see docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ from itertools import count
 
 import torch
 
-from tritium.backend.attention import get_attention_backend
+from tritium.backend.attention import get_attention_backend, resolve_backend_name
 from tritium.backend.block_manager import BlockManager
-from tritium.backend.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
+from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
 from tritium.backend.detokenizer import IncrementalDetokenizer
 from tritium.backend.fault_injection import FaultInjector
+from tritium.backend.memory_budget import (
+    check_fits_one_sequence,
+    check_free_memory,
+    estimate_activation_bytes,
+    kv_cache_budget,
+    module_bytes,
+)
 from tritium.backend.model_runner import ModelRunner, kv_bytes_per_block
+from tritium.backend.models.config import ModelConfig, check_attention_backend
 from tritium.backend.models.loader import load_model
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.sampler import Sampler
@@ -49,6 +57,9 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer(self.model_path)
         backend = get_attention_backend(config.attention_backend, self.device)
+        # Before the weights load: a head size the attention backend cannot run is refused at once.
+        check_attention_backend(ModelConfig.from_folder(self.model_path),
+                                resolve_backend_name(config.attention_backend, self.device))
         model = load_model(self.model_path, self.dtype, self.device, config.max_model_len)
         self.model_config = model.config
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
@@ -71,15 +82,25 @@ class LLMEngine:
         )
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
-        per_block = kv_bytes_per_block(model, self.config.block_size, self.dtype)
-        budget = self.config.kv_cache_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * CUDA_KV_CACHE_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(1, budget // per_block)
+        """KV blocks for this engine: kv_cache_bytes when set, else 1 GiB on a CPU and on CUDA its share
+        (gpu_memory_utilization) of the device less weights, activations and overhead (memory_budget.py).
+        Raises ValueError (numbers in it) when that cannot hold one sequence of max_model_len tokens."""
+        cfg = self.config
+        per_block = kv_bytes_per_block(model, cfg.block_size, self.dtype)
+        weights = module_bytes(model)
+        budget = cfg.kv_cache_bytes
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = estimate_activation_bytes(
+                self.model_config, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize
+            )
+            budget = kv_cache_budget(total, cfg.gpu_memory_utilization, weights, activations)
+            check_free_memory(budget, activations, free, cfg.gpu_memory_utilization)
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        check_fits_one_sequence(num_blocks, cfg.block_size, per_block, self.max_model_len, weights)
+        return num_blocks
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -112,6 +133,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens; the model's context is {self.max_model_len} tokens, "
@@ -144,7 +167,11 @@ class LLMEngine:
         if seq is None or seq.finished:
             return
         self._finish(seq, "abort")
-        self._pending.append(self._output(seq))
+        try:
+            self._pending.append(self._output(seq))
+        except Exception:
+            logger.exception("building the abort output of %s failed", request_id)
+            self._pending.append(self._error_output(seq, "aborted", reason="abort"))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -158,13 +185,13 @@ class LLMEngine:
             return outputs
         t_model = time.perf_counter()
         try:
-            self.faults.check(s.seq for s in sched.scheduled)
+            self.faults.check(s.seq.prompt for s in sched.scheduled)
             logits = self.runner.run(sched.scheduled)
-        except Exception as exc:  # fail only the requests of this step; the engine goes on
-            logger.exception("model step failed")
+        except Exception:  # fail only the requests of this step; the engine goes on
+            logger.exception("model step failed for %s", [s.seq.request_id for s in sched.scheduled])
             for s in sched.scheduled:
                 self._finish(s.seq, "error")
-                outputs.append(self._output(s.seq, error=f"model step failed: {exc}"))
+                outputs.append(self._error_output(s.seq, "the model step failed"))
             return outputs
         model_s = time.perf_counter() - t_model
         sampling = [s.seq for s in sched.scheduled if s.samples]
@@ -173,14 +200,29 @@ class LLMEngine:
             self.block_manager.commit_full_blocks(s.seq)
         if sampling:
             sampled = self.sampler(logits, sampling)
-            for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
-                self._append_token(seq, token, lp)
-                outputs.append(self._output(seq))
+            for seq, token, lp, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors,
+                                             strict=True):
+                outputs.append(self._advance(seq, token, lp, error))
         self.stats.steps += 1
         self.stats.model_s += model_s
         self.stats.scheduled_tokens += sched.num_tokens
         self.stats.step_s += time.perf_counter() - t0
         return outputs
+
+    def _advance(self, seq: Sequence, token: int | None, logprobs: dict[int, float] | None,
+                 error: str | None) -> RequestOutput:
+        """Append a sampled token and build the request's output; whatever fails here (stop checks,
+        detokenizing) ends this request alone with an error."""
+        if error is None and token is not None:
+            try:
+                self._append_token(seq, token, logprobs)
+                return self._output(seq)
+            except Exception:
+                logger.exception("processing the output of %s failed", seq.request_id)
+                error = "internal error while processing the generated token"
+        if not seq.finished:
+            self._finish(seq, "error")
+        return self._error_output(seq, error or "no token was sampled")
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)
@@ -198,7 +240,15 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
+    def _error_output(self, seq: Sequence, error: str, reason: str = "error") -> RequestOutput:
+        """A final output that touches nothing that may have failed (the detokenizer, the logprobs)."""
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, text="",
+            token_ids=seq.output_token_ids, delta_text="", delta_token_ids=[], finished=True, finish_reason=reason,
+            num_input_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens, error=error,
+        )
+
+    def _output(self, seq: Sequence) -> RequestOutput:
         delta = seq.detokenizer.take_delta(seq.finished)
         new_ids = seq.output_token_ids[seq.num_sent_tokens :]
         seq.num_sent_tokens = seq.num_output_tokens
@@ -215,5 +265,4 @@ class LLMEngine:
             num_input_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            error=error,
         )

@@ -8,17 +8,26 @@ so its text does not depend on what else is in the batch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from tritium.backend.sequence import Sequence
 
+logger = logging.getLogger(__name__)
+NO_TOKEN = ("no token can be sampled: every token is banned (min_tokens with stop_token_ids) or the model's "
+            "logits are not finite")
+
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    """Per sequence: the sampled token, its logprobs (when asked), or an error saying why this sequence
+    got no token (its token is None then); one sequence's error never touches the others."""
+
+    token_ids: list[int | None]
     logprobs: list[dict[int, float] | None]
+    errors: list[str | None]
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -68,13 +77,37 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """`logits` `[len(seqs), vocab]` fp32 on CPU; one token per sequence."""
+        """`logits` `[len(seqs), vocab]` fp32 on CPU; one token per sequence. Sampled as one batch; if
+        that raises, each sequence is sampled alone (seeded generators rewound first), so a sequence whose
+        own sampling fails gets an error and every other one the token it would have got anyway."""
+        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        try:
+            return self._sample_batch(logits, seqs)
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling each sequence alone", len(seqs))
+        out = SamplerOutput([], [], [])
+        for row, (seq, state) in enumerate(zip(seqs, states, strict=True)):
+            if state is not None:
+                seq.generator.set_state(state)
+            try:
+                one = self._sample_batch(logits[row : row + 1], [seq])
+            except Exception:
+                logger.exception("sampling failed for %s", seq.request_id)
+                one = SamplerOutput([None], [None], ["internal error while sampling this request's token"])
+            out.token_ids += one.token_ids
+            out.logprobs += one.logprobs
+            out.errors += one.errors
+        return out
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
-        if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
-               or s.params.frequency_penalty != 0.0 for s in seqs):
-            logits = logits.clone()
+        penalized = any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
+                        or s.params.frequency_penalty != 0.0 for s in seqs)
+        if penalized or any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+            logits = logits.clone()  # the caller's logits stay as they were, should a retry need them
+        if penalized:
             apply_penalties(logits, seqs)
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -82,27 +115,38 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if banned:
                     logits[row, banned] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+        # The row maximum is NaN if any logit is (max propagates NaN), +inf for a broken row and -inf when
+        # every token is banned: a row whose maximum is not finite has no token to give.
+        best, tokens = logits.max(dim=-1)
+        samplable = torch.isfinite(best)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
-            sampled = self._sample([seqs[i] for i in random_rows], logits[random_rows])
-            tokens[random_rows] = sampled
-        token_list = tokens.tolist()
+            tokens[random_rows] = self._sample(seqs, random_rows, logits[random_rows])
+        token_list: list[int | None] = tokens.tolist()
+        errors: list[str | None] = [None if ok else NO_TOKEN for ok in samplable.tolist()]
+        for row, error in enumerate(errors):
+            if error is not None:
+                token_list[row] = None
         if raw_logprobs is not None:
             for j, row in enumerate(want_logprobs):
+                token = token_list[row]
+                if token is None:
+                    continue
                 n = seqs[row].params.logprobs or 0
-                entry = {token_list[row]: float(raw_logprobs[j, token_list[row]])}
+                entry = {token: float(raw_logprobs[j, token])}
                 if n:
                     top = raw_logprobs[j].topk(n)
                     for tid, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
                         entry.setdefault(tid, lp)
                 logprobs[row] = entry
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, logprobs, errors)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, all_seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seqs = [all_seqs[i] for i in rows]
+        vocab = logits.shape[-1]
         temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
         logits = logits / temps[:, None]
-        top_k = torch.tensor([s.params.top_k for s in seqs])
+        top_k = torch.tensor([min(s.params.top_k, vocab) for s in seqs])
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
         if bool((top_k > 0).any() or (top_p < 1.0).any()):
             logits = filter_top_k_top_p(logits, top_k, top_p)

@@ -10,13 +10,18 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by less would overflow them: such a request is greedy
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # keep penalized logits finite
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Field names and defaults follow vLLM.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature 0 (or anything below 1e-5) means greedy; at most 100. top_k -1 (or 0) disables top-k, and a
+    top_k beyond the vocabulary means all of it; top_p 1 and min_p 0 disable theirs. repetition_penalty is
+    in [0.01, 100] so that penalized logits stay finite.
     `logprobs=n` returns the sampled token's logprob and the n most likely (raw model distribution).
     Construction raises ValueError naming the field and the rule when a value is invalid.
     """
@@ -64,18 +69,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def _validate(self) -> None:
         _int(self, "max_tokens", minimum=1)
         _int(self, "min_tokens", minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _float(self, "temperature", lo=0.0, rule=">= 0")
+        _float(self, "temperature", lo=0.0, hi=MAX_TEMPERATURE, rule=f"in [0, {MAX_TEMPERATURE:g}]")
         _float(self, "top_p", lo=0.0, hi=1.0, lo_open=True, rule="in (0, 1]")
         _int(self, "top_k", minimum=-1)
         _float(self, "min_p", lo=0.0, hi=1.0, rule="in [0, 1]")
-        _float(self, "repetition_penalty", lo=0.0, lo_open=True, rule="> 0")
+        _float(self, "repetition_penalty", lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY,
+               rule=f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
         _float(self, "presence_penalty", lo=-2.0, hi=2.0, rule="in [-2, 2]")
         _float(self, "frequency_penalty", lo=-2.0, hi=2.0, rule="in [-2, 2]")
         if self.seed is not None:

@@ -7,6 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tritium.client.triton_server import ServerOptions, TritonServer
+
+HEALTH_POLL_S = 1.0  # how often `serve` reads tritium_engine_healthy from the metrics port
 
 
 def default_repository() -> Path:
@@ -139,16 +145,46 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_auth(options: ServerOptions) -> str:
+    inference = "x-api-key" if options.api_key else "open"
+    admin = ("x-admin-key" if options.admin_key else
+             "closed (no --admin-key)" if options.api_key else "open")
+    return (f"inference, metadata, model config, statistics: {inference}; model load/unload, logging, trace, "
+            f"shared memory: {admin}; health: open")
+
+
+def _unload_failed_engines(server: TritonServer) -> None:
+    """Unload every model whose engine failed, and the ensembles running it, so that their ready endpoints
+    say not ready."""
+    from tritium.client.triton_server import dependent_ensembles
+
+    for failed in server.failed_engines():
+        ensembles = dependent_ensembles(server.options.model_repository, failed.model)
+        also = f" (and the ensembles using it: {', '.join(ensembles)})" if ensembles else ""
+        print(f"ERROR: model {failed.model} version {failed.version}: the engine failed; unloading it{also} so "
+              f"that it reports not ready (see the server log: {server.log_path})", file=sys.stderr, flush=True)
+        for name in [*ensembles, failed.model]:
+            try:
+                server.unload_model(name)
+            except RuntimeError as exc:
+                print(f"ERROR: model {name}: {exc}", file=sys.stderr, flush=True)
+            else:
+                print(f"model {name} is being unloaded; load it again (POST /v2/repository/models/{name}/load, "
+                      "x-admin-key) or restart the server", file=sys.stderr, flush=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
+    import time
 
     from tritium.client.triton_server import ServerOptions, TritonServer
 
     options = ServerOptions(
         model_repository=Path(args.model_repository).resolve(), host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
-        model_control=args.model_control, load_models=args.load_model or [], log_verbose=args.log_verbose,
+        admin_key=args.admin_key or None, model_control=args.model_control, load_models=args.load_model or [],
+        log_verbose=args.log_verbose,
     )
     server = TritonServer(options)
     stop = threading.Event()
@@ -163,21 +199,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     key_header = ' -H "x-api-key: $TRITIUM_API_KEY"' if options.api_key else ""
     print(
         f"tritium is serving\n  HTTP:    {server.http_url}\n  gRPC:    {server.grpc_url}\n"
-        f"  metrics: {server.metrics_url}\n"
-        f"  auth:    {'x-api-key required for inference and model control' if options.api_key else 'none'}\n\n"
+        f"  metrics: {server.metrics_url}\n  auth:    {_serve_auth(options)}\n\n"
         f"try:\n  curl -s{key_header} {server.http_url}/v2/models/tritium/generate \\\n"
         "    -d '{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, \"temperature\": 0}'\n"
         "Ctrl-C stops the server.",
         flush=True,
     )
+    next_health_check = 0.0
     while not stop.is_set():
         if server.process is not None and server.process.poll() is not None:
             print(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
             server.stop()
             return 1
-        stop.wait(0.5)
+        if time.monotonic() >= next_health_check:
+            next_health_check = time.monotonic() + HEALTH_POLL_S
+            _unload_failed_engines(server)
+        stop.wait(0.25)
     print("stopping ...", flush=True)
     server.stop()
+    return 0
+
+
+def cmd_bench_interference(args: argparse.Namespace) -> int:
+    from tritium.client.bench_interference import run_interference_benchmark
+
+    run_interference_benchmark(args.url, args.http_url, streams=args.streams, output_len=args.output_len,
+                               big_prompt_kib=args.big_prompt_kib, out_dir=args.out_dir)
     return 0
 
 
@@ -191,7 +238,8 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
 def cmd_openai(args: argparse.Namespace) -> int:
     from tritium.client.openai_server import serve_openai
 
-    serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer)
+    serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer,
+                 max_concurrency=args.max_concurrency)
     return 0
 
 
@@ -235,8 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--api-key", default=os.environ.get("TRITIUM_API_KEY"),
-                   help="require this x-api-key for inference and model control (default: $TRITIUM_API_KEY)")
-    p.add_argument("--model-control", choices=["none", "explicit"], default="none")
+                   help="require this x-api-key for inference, metadata, model config and statistics "
+                   "(default: $TRITIUM_API_KEY)")
+    p.add_argument("--admin-key", default=os.environ.get("TRITIUM_ADMIN_KEY"),
+                   help="require this x-admin-key for model load/unload, logging, trace and shared memory "
+                   "(default: $TRITIUM_ADMIN_KEY; with --api-key but no admin key those stay closed)")
+    p.add_argument("--model-control", choices=["none", "explicit"], default="none",
+                   help="none: load every model at start-up; explicit: only --load-model ones (either way "
+                   "a model whose engine fails is unloaded)")
     p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
     p.add_argument("--log-verbose", type=int, default=0)
     p.set_defaults(func=cmd_serve)
@@ -249,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require Authorization: Bearer KEY; also sent to Triton (default: $TRITIUM_API_KEY)")
     p.add_argument("--model", default="tritium", help="Triton model name, also the OpenAI model id")
     p.add_argument("--tokenizer", default=None, help="model folder whose tokenizer/chat template to use")
+    p.add_argument("--max-concurrency", type=int, default=256,
+                   help="upstream requests in flight (a choice each) beyond which requests get 503 + Retry-After")
     p.set_defaults(func=cmd_openai)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -282,6 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("TRITIUM_API_KEY"))
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_serve)
+    p = bench.add_parser("interference", help="ITL of running streams alone vs while big prompts arrive")
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port of the server")
+    p.add_argument("--http-url", default="http://127.0.0.1:8000", help="its HTTP address (big prompts go there)")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--big-prompt-kib", type=int, default=500)
+    p.add_argument("--out-dir", default="bench_results")
+    p.set_defaults(func=cmd_bench_interference)
     return parser
 
 

@@ -10,8 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 16
 MAX_SEED = 2**63 - 1
-MAX_PROMPTS = 64
-MAX_CHOICES = 64  # prompts x n in one completions request
+MAX_CHOICES = 32  # prompts x n in one request: at most half the seats (max_num_seqs 64) of a replica
+MAX_PROMPTS = MAX_CHOICES
+MAX_REQUEST_TOKENS = 65536  # choices x max_tokens in one request
+DEFAULT_MAX_CONCURRENCY = 256  # upstream requests in flight per endpoint (`tritium openai --max-concurrency`)
+RETRY_AFTER_S = 1  # the Retry-After of a 503
 
 
 def _utf8(value: str | list[str] | None) -> str | list[str] | None:
@@ -94,6 +97,13 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
     return AsciiJSONResponse(status_code=status,
                              content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def retry_later_response(message: str, code: str | None = "overloaded") -> JSONResponse:
+    """503 with Retry-After: the endpoint or every replica is full (code "overloaded"), or none is up."""
+    response = error_response(503, message, kind="server_error", code=code)
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 class AsciiJSONResponse(JSONResponse):

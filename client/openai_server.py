@@ -3,19 +3,24 @@
 `/v1/models`, `/v1/completions`, `/v1/chat/completions` (the chat template comes from the model's
 tokenizer), streaming as SSE ending in `data: [DONE]`. `Authorization: Bearer KEY` is checked and
 forwarded to Triton as its API key. Errors use OpenAI's shape: 400 bad field, 401 key, 404 model,
-413 body over MAX_BODY_BYTES, 503 no replica up.
+413 body over MAX_BODY_BYTES, 500 internal error (with a request id; the details are logged, never sent),
+503 with Retry-After: no replica up, or overloaded (over `max_concurrency` upstream requests in flight, or
+every replica refused). A client that disconnects has its upstream requests cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,17 +31,49 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client.openai_protocol import (
+    DEFAULT_MAX_CONCURRENCY,
     MAX_CHOICES,
     MAX_PROMPTS,
+    MAX_REQUEST_TOKENS,
     MAX_SEED,
     ChatRequest,
     CompletionRequest,
     error_response,
+    retry_later_response,
 )
 from tritium.client.router import Chunk, Router, UpstreamError
 
+logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
 UNION_MEMBERS = {"str", "list[str]"}
+UNPARSABLE_BODY = "There was an error parsing the body"  # FastAPI's words for a body json.loads raised on
+T = TypeVar("T")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def internal_error(request_id: str) -> JSONResponse:
+    return error_response(500, f"internal error (request id {request_id})", kind="server_error")
+
+
+@dataclass
+class Admission:
+    """Seats for upstream requests in flight (one per choice: prompts x n): a request that does not find all
+    of its seats free is refused at once instead of queued."""
+
+    limit: int
+    in_flight: int = 0
+
+    def try_acquire(self, seats: int) -> bool:
+        if self.in_flight + seats > self.limit:
+            return False
+        self.in_flight += seats
+        return True
+
+    def release(self, seats: int = 1) -> None:
+        self.in_flight -= seats
 
 
 class RequestGuard:
@@ -90,26 +127,70 @@ class RequestGuard:
             message, body = body, None
             return message
 
-        await self.app(scope, replay, send)
+        started = False
+
+        async def watch_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, replay, watch_send)
+        except Exception:  # the catch-all: the client gets an id to quote, the log gets the traceback
+            request_id = new_request_id()
+            logger.exception("request %s (%s %s) failed", request_id, scope.get("method"), scope["path"])
+            if not started:
+                await internal_error(request_id)(scope, receive, send)
 
 
-def _token_entries(tokenizer: Tokenizer, logprobs: list[dict[str, float]]) -> list[tuple[str, float, list]]:
+def _token_entries(decode: Callable[[int], str], logprobs: list[dict[str, float]]) -> list[tuple[str, float, list]]:
     """(sampled token text, its logprob, [(token text, logprob)] most likely first) per generated token.
     The engine lists the sampled token first, then the top-n."""
     out = []
     for entry in logprobs:
-        items = [(tokenizer.decode([int(t)], skip_special_tokens=False), lp) for t, lp in entry.items()]
+        items = [(decode(int(t)), lp) for t, lp in entry.items()]
         out.append((items[0][0], items[0][1], sorted(items, key=lambda item: -item[1])))
     return out
 
 
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (RequestGuard forwards receive() calls after the body)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, result of `work`), or (False, None) when the client disconnected first: `work` is then
+    cancelled (and with it the upstream requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
 def create_app(upstreams: list[str], api_key: str | None = None, model: str = "tritium",
-               tokenizer: Tokenizer | None = None, default_max_tokens: int = 16) -> FastAPI:
+               tokenizer: Tokenizer | None = None, default_max_tokens: int = 16,
+               max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> FastAPI:
     router = Router(upstreams, model=model, api_key=api_key)
+    admission = Admission(max_concurrency)
     if tokenizer is None:
         from tritium.backend.models.registry import resolve_model
 
         tokenizer = Tokenizer(resolve_model(None))
+    vocab = tokenizer
+
+    @functools.lru_cache(maxsize=1 << 17)
+    def decode_token(token_id: int) -> str:
+        return vocab.decode([token_id], skip_special_tokens=False)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -119,6 +200,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
 
     app = FastAPI(title="tritium OpenAI-compatible API", lifespan=lifespan)
     app.state.router = router
+    app.state.admission = admission
 
     app.add_middleware(RequestGuard, api_key=api_key, max_bytes=MAX_BODY_BYTES)
 
@@ -134,7 +216,10 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        response = error_response(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == UNPARSABLE_BODY:
+            detail = "invalid request: body is not valid JSON (nested too deeply, or a number too long?)"
+        response = error_response(exc.status_code, detail)
         response.headers.update(exc.headers or {})
         return response
 
@@ -154,7 +239,11 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
 
     async def run_choices(prompts: list[str], sampling: dict[str, Any], n: int, logprobs: bool
                           ) -> AsyncIterator[tuple[int, Chunk]]:
-        """Merge the streams of every (prompt, sample) choice, tagged with the choice index."""
+        """Merge the streams of every (prompt, sample) choice, tagged with the choice index. Each choice holds
+        a seat of `admission` until its upstream request ends; without enough free seats, UpstreamError 503."""
+        if not admission.try_acquire(len(prompts) * n):
+            raise UpstreamError(f"over --max-concurrency ({admission.limit} upstream requests in flight)", 503,
+                                overloaded=True)
         queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
         jobs = []
         for p_idx, prompt in enumerate(prompts):
@@ -172,7 +261,9 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                     except BaseException as exc:  # handed to the consumer, which raises it
                         await queue.put((index, exc))
 
-                jobs.append(asyncio.create_task(pump()))
+                job = asyncio.create_task(pump())
+                job.add_done_callback(lambda _: admission.release())  # also when cancelled before it ran
+                jobs.append(job)
         remaining = len(jobs)
         try:
             while remaining:
@@ -206,25 +297,57 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
-    def upstream_error(exc: UpstreamError) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status == 400 else "server_error"
-        return error_response(exc.status, str(exc), kind=kind)
+    def upstream_error(exc: UpstreamError, request_id: str) -> tuple[int, str, str]:
+        """(status, message, type) for the client. Only the engine's verdict on the request itself (400) is
+        passed on; anything else is logged with the request id, and the client gets the id."""
+        if exc.status == 400:
+            return 400, str(exc), "invalid_request_error"
+        logger.warning("request %s: %s", request_id, exc)
+        if exc.overloaded:
+            return 503, f"overloaded, retry later (request id {request_id})", "server_error"
+        if exc.status == 503:
+            return 503, f"no tritonserver replica is up, retry later (request id {request_id})", "server_error"
+        return exc.status, f"internal error (request id {request_id})", "server_error"
+
+    def upstream_response(exc: UpstreamError, request_id: str) -> JSONResponse:
+        status, message, kind = upstream_error(exc, request_id)
+        if status == 503:
+            return retry_later_response(message, "overloaded" if exc.overloaded else None)
+        return error_response(status, message, kind=kind)
+
+    def client_gone() -> JSONResponse:
+        return error_response(499, "client closed the request")  # nobody reads it
+
+    def check_budget(choices: int, max_tokens: int, param: str) -> JSONResponse | None:
+        if choices * max_tokens > MAX_REQUEST_TOKENS:
+            shown = max_tokens if max_tokens < 10**9 else "over 10^9"
+            return error_response(400, f"invalid request: {param} times the number of choices must be at most "
+                                  f"{MAX_REQUEST_TOKENS}, got {shown} x {choices}", param=param)
+        return None
 
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    async def stream_response(kind: str, prompts: list[str], sampling: dict[str, Any], n: int, logprobs: bool,
-                              include_usage: bool, make_delta: Any) -> StreamingResponse:
+    async def stream_response(request: Request, kind: str, prompts: list[str], sampling: dict[str, Any], n: int,
+                              logprobs: bool, include_usage: bool, make_delta: Any) -> Any:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = new_request_id()
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         iterator = run_choices(prompts, sampling, n, logprobs)
+
+        async def first_item() -> tuple[int, Chunk] | None:
+            try:
+                return await iterator.__anext__()
+            except StopAsyncIteration:
+                return None
+
         try:  # fail with a proper status when the request is rejected before anything streams
-            first = await iterator.__anext__()
-        except StopAsyncIteration:
-            first = None
+            connected, first = await unless_disconnected(request, first_item())
         except UpstreamError as exc:
-            return upstream_error(exc)
+            return upstream_response(exc, request_id)
+        if not connected:
+            return client_gone()
 
         async def events() -> AsyncIterator[str]:
             totals: dict[int, dict] = {}
@@ -246,10 +369,16 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                     choice = make_delta(index, chunk, index not in started)
                     started.add(index)
                     yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
-            except UpstreamError as exc:
-                kind = "invalid_request_error" if exc.status == 400 else "server_error"
-                yield sse({"error": {"message": str(exc), "type": kind, "param": None, "code": None}})
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                if isinstance(exc, UpstreamError):
+                    _, message, error_type = upstream_error(exc, request_id)
+                else:
+                    logger.exception("request %s: stream failed", request_id)
+                    message, error_type = f"internal error (request id {request_id})", "server_error"
+                yield sse({"error": {"message": message, "type": error_type, "param": None, "code": None}})
                 return
+            finally:
+                await iterator.aclose()
             if include_usage:
                 u = usage({i: t for i, t in totals.items()}, n)
                 yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u})
@@ -257,8 +386,17 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def run_collect(request: Request, prompts: list[str], sampling: dict[str, Any], n: int,
+                          want_lp: bool) -> dict[int, dict] | JSONResponse:
+        """The choices of a non-streamed request, or the error response (the client gone: cancelled)."""
+        try:
+            connected, choices = await unless_disconnected(request, collect(prompts, sampling, n, want_lp))
+        except UpstreamError as exc:
+            return upstream_response(exc, new_request_id())
+        return choices if connected and choices is not None else client_gone()
+
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
@@ -271,6 +409,8 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
             return error_response(400, f"n times the number of prompts must be at most {MAX_CHOICES}, got "
                                   f"{body.n} x {len(prompts)}", param="n")
         sampling = body.sampling(default_max_tokens)
+        if (bad := check_budget(len(prompts) * body.n, sampling["max_tokens"], "max_tokens")) is not None:
+            return bad
         want_lp = body.logprobs is not None
         if want_lp:
             sampling["logprobs"] = body.logprobs
@@ -278,7 +418,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         def completion_logprobs(entries: list[dict[str, float]]) -> dict[str, Any] | None:
             if not want_lp:
                 return None
-            rows = _token_entries(tokenizer, entries)
+            rows = _token_entries(decode_token, entries)
             return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
                     "top_logprobs": [dict(r[2][: body.logprobs]) for r in rows], "text_offset": []}
 
@@ -287,32 +427,43 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                 return {"index": index, "text": chunk.text, "logprobs": completion_logprobs(chunk.logprobs),
                         "finish_reason": chunk.finish_reason if chunk.final else None}
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response("completion", prompts, sampling, body.n, want_lp, include, delta)
-        try:
-            choices = await collect(prompts, sampling, body.n, want_lp)
-        except UpstreamError as exc:
-            return upstream_error(exc)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": i, "text": (prompts[i // body.n] if body.echo else "") + c["text"],
-                         "logprobs": completion_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
-                        for i, c in sorted(choices.items())],
-            "usage": usage(choices, body.n),
-        }
+            return await stream_response(request, "completion", prompts, sampling, body.n, want_lp, include, delta)
+        choices = await run_collect(request, prompts, sampling, body.n, want_lp)
+        if isinstance(choices, JSONResponse):
+            return choices
+
+        def build() -> dict[str, Any]:  # decoding many logprobs takes a while: off the event loop
+            return {
+                "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model,
+                "choices": [{"index": i, "text": (prompts[i // body.n] if body.echo else "") + c["text"],
+                             "logprobs": completion_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
+                            for i, c in sorted(choices.items())],
+                "usage": usage(choices, body.n),
+            }
+
+        return await asyncio.to_thread(build) if want_lp else build()
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatRequest) -> Any:
+    async def chat_completions(body: ChatRequest, request: Request) -> Any:
         if (bad := check_model(body.model)) is not None:
             return bad
-        try:
-            prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-            prompt.encode("utf-8")  # an extra message field may hold a lone surrogate
-        except ValueError as exc:
-            return error_response(400, str(exc), param="messages")
         sampling = body.sampling(default_max_tokens)
         if body.max_completion_tokens:
             sampling["max_tokens"] = body.max_completion_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        if (bad := check_budget(body.n, sampling["max_tokens"], param)) is not None:
+            return bad
+        messages = [m.model_dump() for m in body.messages]
+        try:  # a long conversation takes a while to render: off the event loop
+            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
+            prompt.encode("utf-8")  # an extra message field may hold a lone surrogate
+        except ValueError as exc:
+            return error_response(400, str(exc), param="messages")
+        except Exception as exc:  # the template choked on what the messages hold (odd extra fields)
+            logger.info("chat template failed on a request: %r", exc)
+            return error_response(400, "invalid request: messages cannot be rendered with the model's chat "
+                                  "template", param="messages")
         want_lp = body.logprobs
         if want_lp:
             sampling["logprobs"] = body.top_logprobs or 0
@@ -320,7 +471,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         def chat_logprobs(entries: list[dict[str, float]]) -> dict[str, Any] | None:
             if not want_lp:
                 return None
-            rows = _token_entries(tokenizer, entries)
+            rows = _token_entries(decode_token, entries)
             return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
                                  "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
                                                   for a, alp in alts[: body.top_logprobs or 0]]}
@@ -334,30 +485,34 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                 return {"index": index, "delta": d, "logprobs": chat_logprobs(chunk.logprobs),
                         "finish_reason": chunk.finish_reason if chunk.final else None}
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response("chat", [prompt], sampling, body.n, want_lp, include, delta)
-        try:
-            choices = await collect([prompt], sampling, body.n, want_lp)
-        except UpstreamError as exc:
-            return upstream_error(exc)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
-                         "logprobs": chat_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
-                        for i, c in sorted(choices.items())],
-            "usage": usage(choices, body.n),
-        }
+            return await stream_response(request, "chat", [prompt], sampling, body.n, want_lp, include, delta)
+        choices = await run_collect(request, [prompt], sampling, body.n, want_lp)
+        if isinstance(choices, JSONResponse):
+            return choices
+
+        def build() -> dict[str, Any]:
+            return {
+                "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+                             "logprobs": chat_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
+                            for i, c in sorted(choices.items())],
+                "usage": usage(choices, body.n),
+            }
+
+        return await asyncio.to_thread(build) if want_lp else build()
 
     return app
 
 
 def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None, model: str,
-                 tokenizer_path: str | None) -> None:
+                 tokenizer_path: str | None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
     import uvicorn
 
     from tritium.backend.models.registry import resolve_model
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tokenizer = Tokenizer(resolve_model(tokenizer_path))
-    app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer)
+    app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer, max_concurrency=max_concurrency)
     print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -3,6 +3,11 @@
 A request goes to the healthy replica with the fewest outstanding tokens, except that requests sharing a
 prompt prefix prefer one replica (rendezvous hashing over the first PREFIX_CHARS characters) as long as it
 is not more than AFFINITY_SLACK tokens busier than the least loaded one, so its prefix cache hits.
+
+Only what is safe is retried on another replica, and only before the first token: a transport failure
+(connection refused, gRPC UNAVAILABLE, a replica that went down; the replica is marked down) and a replica
+that refused the request as overloaded (it stays up). A request's own error (invalid request, a failed
+model step) is answered as is, once.
 """
 
 from __future__ import annotations
@@ -25,12 +30,34 @@ HEALTH_INTERVAL_S = 1.0
 
 
 class UpstreamError(Exception):
-    """The replica failed the request. `status` is 400 for a request it rejected, else 502."""
+    """The replica failed the request. `status`: 400 a request it rejected (the message is the engine's, meant
+    for the client), 500 the request failed in the model, 502 a transport failure, 503 every replica down or
+    overloaded (`overloaded`). The message may name the replica: log it, do not show it to a client."""
 
-    def __init__(self, message: str, status: int = 502, before_first_token: bool = True) -> None:
+    def __init__(self, message: str, status: int = 502, before_first_token: bool = True,
+                 overloaded: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.before_first_token = before_first_token
+        self.overloaded = overloaded
+
+    @property
+    def retryable(self) -> bool:
+        """Safe to send to another replica: nothing streamed yet, and the failure was the replica's."""
+        return self.before_first_token and (self.status == 502 or self.overloaded)
+
+
+def classify_error(message: str) -> tuple[int, bool]:
+    """(status, overloaded) for an error the replica sent in the stream (the model's or Triton's)."""
+    text = message.split("] ", 1)[1] if message.startswith("[StatusCode.") else message
+    if text.startswith("overloaded"):
+        return 503, True
+    if "invalid request" in text:
+        return 400, False
+    if any(words in text for words in ("unknown model", "is not ready", "no available versions", "shutting down",
+                                       "not serving")):
+        return 502, False  # this replica does not serve the model (now): another one may
+    return 500, False
 
 
 @dataclass
@@ -110,25 +137,31 @@ class Router:
         """Stream a request, retrying on another replica when one fails before its first token.
         Raises UpstreamError (status 503 when no replica is up)."""
         tried: set[str] = set()
+        overloaded: list[str] = []
         while True:
             replica = self.pick(prompt, tried)
             if replica is None:
+                if overloaded:
+                    raise UpstreamError(f"every replica tried is overloaded: {'; '.join(overloaded)}", 503,
+                                        overloaded=True)
                 raise UpstreamError("no healthy tritonserver replica", status=503)
             tried.add(replica.url)
-            cost = int(sampling.get("max_tokens", 16)) + len(prompt) // 4
+            cost = min(int(sampling.get("max_tokens", 16)), 1 << 20) + len(prompt) // 4
             replica.outstanding_tokens += cost
-            first = True
             try:
                 async for chunk in self._stream(replica, prompt, sampling, want_logprobs):
-                    first = False
                     yield chunk
                 replica.requests_served += 1
                 return
             except UpstreamError as exc:
-                if exc.status == 400 or not first:
+                if not exc.retryable:
                     raise
-                replica.healthy = False
-                logger.warning("replica %s failed before the first token (%s); retrying elsewhere", replica.url, exc)
+                if exc.overloaded:
+                    overloaded.append(str(exc))
+                    logger.info("%s; trying another replica", exc)
+                else:
+                    replica.healthy = False
+                    logger.warning("%s (before the first token); marked down, retrying elsewhere", exc)
             finally:
                 replica.outstanding_tokens -= cost
 
@@ -150,14 +183,19 @@ class Router:
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield request
 
-        stream = replica.client.stream_infer(one_request(), headers=self.headers)
+        stream = None
         got_any = False
         try:
+            stream = replica.client.stream_infer(one_request(), headers=self.headers)
             async for result, error in stream:
                 if error is not None:
                     message = str(error)
-                    status = 400 if "invalid request" in message else 502
-                    raise UpstreamError(message.removeprefix("[StatusCode.INVALID_ARGUMENT] "), status, not got_any)
+                    status, overloaded = classify_error(message)
+                    if status == 400:  # the engine's own words about the request: for the client
+                        message = message.removeprefix("[StatusCode.INVALID_ARGUMENT] ")
+                    else:
+                        message = f"{replica.url} ({request['request_id']}): {message}"
+                    raise UpstreamError(message, status, not got_any, overloaded)
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
                 text = result.as_numpy("text_output")
@@ -183,7 +221,28 @@ class Router:
         except UpstreamError:
             raise
         except (asyncio.CancelledError, GeneratorExit):  # the client went away: cancel upstream too
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             raise
         except Exception as exc:
-            raise UpstreamError(f"{replica.url}: {exc}", 502, not got_any) from exc
+            raise transport_error(exc, replica.url, request["request_id"], not got_any) from exc
+
+
+def transport_error(exc: Exception, url: str, request_id: str, before_first_token: bool) -> UpstreamError:
+    """An exception from the gRPC call itself. UNAVAILABLE (connection refused or lost, replica down) is the
+    replica's failure, 502, retried elsewhere, unless it says the replica is overloaded; any other status
+    (or a bad response) fails only this request, 500."""
+    import grpc
+    from grpc.aio import AioRpcError
+
+    code = exc.code() if isinstance(exc, AioRpcError) else None
+    details = (exc.details() or "") if isinstance(exc, AioRpcError) else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        overloaded = details.startswith("overloaded")
+        return UpstreamError(f"{url} ({request_id}): {code}: {details}", 503 if overloaded else 502,
+                             before_first_token, overloaded)
+    status, overloaded = classify_error(details)
+    if status == 400 and code == grpc.StatusCode.INVALID_ARGUMENT:  # the engine refused the request itself
+        return UpstreamError(details, 400, before_first_token)
+    return UpstreamError(f"{url} ({request_id}): {code or type(exc).__name__}: {details}",
+                         500 if status in (400, 502) else status, before_first_token, overloaded)

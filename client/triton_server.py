@@ -5,12 +5,18 @@ wheel, which needs its python backend stub copied next to the backend, `LD_LIBRA
 wheel's libraries and this interpreter's libpython, and this venv's `bin/` first on `PATH` (the stub
 finds the venv's site-packages through it). Every server gets a unique shared-memory prefix so that
 its `/dev/shm` segments and stub processes can be removed when it exits, or after it was killed.
+
+tritonserver always runs in explicit model-control mode, so that a model whose engine failed (its
+`tritium_engine_healthy` gauge at 0) can be unloaded and report not ready. Two keys guard the APIs: the
+inference key the read-only ones, the admin key (else a secret only this launcher knows) the others.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -20,15 +26,23 @@ import sysconfig
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 SHM_PREFIX = "tritium_"
 STUB_NAME = "triton_python_backend_stub"
 PACKAGE_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
-# With an API key, every Triton API but health (live, ready, model ready) needs it; metrics has its own port.
-RESTRICTED_APIS = "metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
+# Health (live, ready, model ready) is always open; metrics has its own port. With a key, the inference key
+# guards the read-only APIs (INFERENCE_APIS) and the admin key the ones that change the server (ADMIN_APIS).
+INFERENCE_APIS = "metadata,inference,model-config,statistics"
+ADMIN_APIS = "model-repository,shared-memory,trace,logging"
+API_KEY_HEADER = "x-api-key"
+ADMIN_KEY_HEADER = "x-admin-key"
+HEALTH_METRIC = "tritium_engine_healthy"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass
@@ -38,11 +52,50 @@ class ServerOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    api_key: str | None = None
-    model_control: str = "none"  # "none" loads everything; "explicit" loads `load_models` only
+    api_key: str | None = None  # x-api-key: inference, metadata, model config, statistics
+    admin_key: str | None = None  # x-admin-key: model repository, shared memory, trace, logging
+    # tritonserver always runs in explicit mode, so that a failed model can be unloaded: "none" loads every
+    # model of the repository at start-up, "explicit" only `load_models`.
+    model_control: Literal["none", "explicit"] = "none"
     load_models: list[str] = field(default_factory=list)
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """One `tritium_engine_healthy` sample: 1 while the model version's engine serves, 0 once it failed."""
+
+    model: str
+    version: str
+    healthy: bool
+
+
+def parse_engine_health(metrics_text: str) -> list[EngineHealth]:
+    """The `tritium_engine_healthy{model=...,version=...}` samples of a Prometheus text exposition."""
+    found = []
+    for line in metrics_text.splitlines():
+        if not line.startswith(HEALTH_METRIC + "{"):
+            continue
+        labels_text, _, value = line[len(HEALTH_METRIC) + 1:].rpartition("}")
+        labels = dict(_LABEL.findall(labels_text))
+        try:
+            healthy = float(value.split()[0]) != 0
+        except (IndexError, ValueError):
+            continue
+        if "model" in labels:
+            found.append(EngineHealth(labels["model"], labels.get("version", ""), healthy))
+    return found
+
+
+def dependent_ensembles(repository: Path, model: str) -> list[str]:
+    """The ensembles of `repository` with a step running `model` (they cannot serve without it)."""
+    found = []
+    for config in sorted(repository.glob("*/config.pbtxt")):
+        text = config.read_text(errors="replace")
+        if re.search(r'platform:\s*"ensemble"', text) and re.search(rf'model_name:\s*"{re.escape(model)}"', text):
+            found.append(config.parent.name)
+    return found
 
 
 @dataclass
@@ -137,6 +190,10 @@ class TritonServer:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tritium-serve-"))
         self.shm_prefix = ""
         self.log_path = self.runtime_dir / "tritonserver.log"
+        # With an inference key but no admin key the admin APIs stay closed, behind a secret only this
+        # launcher knows (it unloads failed models with it). Never printed or logged.
+        self.admin_key = options.admin_key or (secrets.token_urlsafe(32) if options.api_key else None)
+        self.handled: set[str] = set()  # models reported by failed_engines() (then unloaded)
 
     @property
     def http_url(self) -> str:
@@ -159,7 +216,7 @@ class TritonServer:
             f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-            f"--model-control-mode={o.model_control}", f"--log-verbose={o.log_verbose}",
+            "--model-control-mode=explicit", f"--log-verbose={o.log_verbose}",
             "--exit-timeout-secs=15",
         ]
         if install.cache_dir is not None:
@@ -168,12 +225,14 @@ class TritonServer:
 
         if not torch.cuda.is_available():
             cmd += ["--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
-        for name in o.load_models:
+        for name in (["*"] if o.model_control == "none" else o.load_models):
             cmd.append(f"--load-model={name}")
-        if o.api_key:
-            # Lower case: gRPC metadata keys are lower-cased on the wire, so any other key never matches.
-            cmd.append(f"--http-restricted-api={RESTRICTED_APIS}:x-api-key={o.api_key}")
-            cmd.append(f"--grpc-restricted-protocol={RESTRICTED_APIS}:x-api-key={o.api_key}")
+        # Lower-case headers: gRPC metadata keys are lower-cased on the wire, so any other key never matches.
+        for apis, header, key in ((INFERENCE_APIS, API_KEY_HEADER, o.api_key),
+                                  (ADMIN_APIS, ADMIN_KEY_HEADER, self.admin_key)):
+            if key:
+                cmd.append(f"--http-restricted-api={apis}:{header}={key}")
+                cmd.append(f"--grpc-restricted-protocol={apis}:{header}={key}")
         return cmd + o.extra_args
 
     def start(self, timeout: float = 300.0) -> None:
@@ -211,6 +270,38 @@ class TritonServer:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def engine_health(self) -> list[EngineHealth]:
+        """Every model version's `tritium_engine_healthy` sample; [] when the metrics port does not answer."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+                return parse_engine_health(resp.read().decode(errors="replace"))
+        except (urllib.error.URLError, OSError):
+            return []
+
+    def unload_model(self, name: str, timeout: float = 60.0) -> None:
+        """Unload `name` (every version) through the repository API. Raises RuntimeError when refused."""
+        url = f"{self.http_url}/v2/repository/models/{urllib.parse.quote(name, safe='')}/unload"
+        request = urllib.request.Request(url, data=b"{}", method="POST")
+        if self.admin_key:
+            request.add_header(ADMIN_KEY_HEADER, self.admin_key)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout):
+                return
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"unloading {name} failed: HTTP {exc.code} {exc.read()[:500]!r}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise RuntimeError(f"unloading {name} failed: {exc}") from exc
+
+    def failed_engines(self) -> list[EngineHealth]:
+        """Model versions whose engine failed, once per model (unloading takes every version): a model is
+        reported again only after it served with every version healthy (reloaded by an operator)."""
+        samples = self.engine_health()
+        failed = {s.model: s for s in samples if not s.healthy}
+        self.handled -= {s.model for s in samples} - failed.keys()
+        new = [s for name, s in failed.items() if name not in self.handled]
+        self.handled |= {s.model for s in new}
+        return new
 
     def log_tail(self, lines: int = 15) -> str:
         """Triton's error lines (they start with E<date>) and the last `lines` lines of its log."""

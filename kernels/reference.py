@@ -1,4 +1,4 @@
-"""Plain-torch references of the kernels, with the signatures fixed in DESIGN.md.
+"""Plain-torch references of the kernels, with the signatures fixed in docs/architecture.md.
 
 They are the `torch` attention backend on CPU and the ground truth the Triton kernels are tested
 against. Shapes: packed tokens first; caches are `[num_blocks, block_size, num_kv_heads, head_dim]`.

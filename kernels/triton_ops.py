@@ -1,4 +1,4 @@
-"""The Triton implementations of the kernel interface (DESIGN.md), as one module the `triton`
+"""The Triton implementations of the kernel interface (docs/architecture.md), as one module the `triton`
 attention backend binds to. Same names and signatures as `tritium.kernels.reference`."""
 
 from tritium.kernels.decode_attention import decode_attention

@@ -271,3 +271,87 @@ def start_openai(upstreams: list[str], api_key: str | None = None, tokenizer: st
         time.sleep(0.3)
     proc.kill()
     raise RuntimeError("the OpenAI endpoint did not come up")
+
+
+FAKE_ENGINE_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Serves healthy until its first request, then reports its engine failed (as tritium's models do)."""
+
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily(name="tritium_engine_healthy", description="engine serving",
+                                            kind=pb_utils.MetricFamily.GAUGE)
+        self.healthy = self.family.Metric(labels={"model": args["model_name"], "version": args["model_version"]})
+        self.healthy.set(1)
+
+    def execute(self, requests):
+        self.healthy.set(0)
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("the engine failed")) for _ in requests]
+'''
+FAKE_ENGINE_CONFIG = '''name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "x", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+output [ {{ name: "y", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+instance_group [ {{ count: 1, kind: KIND_CPU }} ]
+'''
+
+
+def fake_repository(dest: Path, names: list[str]) -> Path:
+    """Python-backend models (input x, output y, INT32) that report tritium_engine_healthy 1 until their
+    first request, which fails and sets it to 0: a stand-in for a tritium model whose engine failed."""
+    for name in names:
+        (dest / name / "1").mkdir(parents=True)
+        (dest / name / "config.pbtxt").write_text(FAKE_ENGINE_CONFIG.format(name=name))
+        (dest / name / "1" / "model.py").write_text(FAKE_ENGINE_MODEL)
+    return dest
+
+
+def start_openai_with(upstreams: list[str], *args: str, api_key: str | None = None,
+                      timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
+    """Like start_openai, with extra `tritium openai` arguments (e.g. --max-concurrency=2)."""
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "tritium.client.cli", "openai", f"--port={port}", *args]
+    cmd += [f"--upstream={u}" for u in upstreams]
+    if api_key:
+        cmd.append(f"--api-key={api_key}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    if not wait_for(lambda: _healthy(base) or proc.poll() is not None, timeout, 0.3) or proc.poll() is not None:
+        proc.kill()
+        raise RuntimeError("the OpenAI endpoint did not come up:\n" + (proc.stdout.read() if proc.stdout else ""))
+    return proc, base + "/v1"
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return requests.get(base + "/health", timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+def raw_http_request(base: str, path: str, body: dict[str, Any], api_key: str | None = None) -> socket.socket:
+    """Send a POST over a plain socket and return it unread: the test decides when the client goes away
+    (close it), which `requests` does not let it do before the first byte of the answer."""
+    host, port = base.split("//", 1)[1].split("/", 1)[0].split(":")
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+    if api_key:
+        head += f"Authorization: Bearer {api_key}\r\n"
+    conn = socket.create_connection((host, int(port)), timeout=30)
+    conn.sendall(head.encode() + b"\r\n" + data)
+    return conn
+
+
+def restricted_keys(server_pid: int) -> dict[str, str]:
+    """header -> key of the --http-restricted-api flags on tritonserver's command line (where the launcher's
+    own admin secret can be read back, to check that it is printed and logged nowhere)."""
+    args = Path(f"/proc/{server_pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    keys = {}
+    for arg in args:
+        if arg.startswith("--http-restricted-api="):
+            header, _, key = arg.rsplit(":", 1)[1].partition("=")
+            keys[header] = key
+    return keys

@@ -4,12 +4,13 @@ the rule, and the server goes on serving. (The OpenAI endpoint's are in test_ope
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pytest
 import requests
-from serve_helpers import Served, grpc_stream, grpc_stream_inputs, http_generate
+from serve_helpers import Served, grpc_stream, grpc_stream_inputs, http_generate, metric_value, wait_for
 
 pytestmark = pytest.mark.slow
 LIMIT = "1048576 bytes"
@@ -21,8 +22,8 @@ CASES = [
     ("max_tokens 0", "hi", {"max_tokens": 0}, "max_tokens must be >= 1"),
     ("max_tokens negative", "hi", {"max_tokens": -5}, "max_tokens must be >= 1"),
     ("max_tokens huge", "hi", {"max_tokens": 10**9}, "max_tokens (1000000000) + prompt"),
-    ("temperature negative", "hi", {"temperature": -0.5}, "temperature must be >= 0"),
-    ("temperature NaN", "hi", '{"temperature": NaN}', "temperature must be >= 0, got nan"),
+    ("temperature negative", "hi", {"temperature": -0.5}, "temperature must be in [0, 100]"),
+    ("temperature NaN", "hi", '{"temperature": NaN}', "temperature must be in [0, 100], got nan"),
     ("top_p 0", "hi", {"top_p": 0}, "top_p must be in (0, 1]"),
     ("top_p over 1", "hi", {"top_p": 1.5}, "top_p must be in (0, 1]"),
     ("top_k below -1", "hi", {"top_k": -2}, "top_k must be >= -1"),
@@ -114,11 +115,23 @@ def test_wrong_tensor_datatype_or_shape_over_http(server: Served, value: Any, me
 
 
 def test_bad_request_in_a_stream_does_not_disturb_the_others(server: Served) -> None:
-    """A stream of bad requests among good ones: each bad one gets its error, the good ones their text."""
-    good = grpc_stream(server.grpc, "Once upon a time", {"max_tokens": 4, "temperature": 0})
-    bad = grpc_stream(server.grpc, "Once upon a time", {"max_tokens": 4, "top_p": 7})
-    assert not good.errors and good.finals == 1 and len(good.texts) >= 2
-    assert bad.errors and "top_p must be in (0, 1]" in bad.errors[0] and not bad.texts
+    """Bad requests sent while good ones are generating: each bad one gets its error at once, the good ones
+    go on undisturbed to their full text."""
+    good_sampling = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        goods = [pool.submit(grpc_stream, server.grpc, "Once upon a time", good_sampling, timeout=300,
+                             return_num_output_tokens=True) for _ in range(3)]
+        assert wait_for(lambda: metric_value(server, "tritium_num_requests_running") >= 3, 60)
+        bad_grpc = grpc_stream(server.grpc, "Once upon a time", {"max_tokens": 4, "top_p": 7})
+        bad_http = http_generate(server.http, {"text_input": "Once upon a time", "max_tokens": 0})
+        assert not all(g.done() for g in goods), "the good requests finished before the bad ones were sent"
+        results = [g.result() for g in goods]
+    assert bad_grpc.errors and "top_p must be in (0, 1]" in bad_grpc.errors[0] and not bad_grpc.texts
+    assert bad_http.status_code == 400 and "max_tokens must be >= 1" in bad_http.json()["error"]
+    for good in results:
+        assert not good.errors and good.finals == 1
+        assert int(good.outputs[-1]["num_output_tokens"].reshape(-1)[0]) == 96
+    assert len({"".join(g.texts) for g in results}) == 1  # same prompt, greedy: the same text for each
 
 
 

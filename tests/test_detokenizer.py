@@ -52,12 +52,35 @@ def test_stop_string_included_on_request(tok: Tokenizer) -> None:
     assert stream(tok, "alpha beta gamma", stop=["beta"], include=True)[1] == "alpha beta"
 
 
+def _stop_prefix_len(text: str, stop: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `stop` (what must be held)."""
+    return max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+
 def test_partial_stop_prefix_is_held_then_released(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok, [], stop=["<END>"])
-    ids = tok.encode("hello <EN")
-    for t in ids:
+    emitted = ""
+    for t in tok.encode("hello <EN"):
+        assert not detok.add_token(t)
+        emitted += detok.take_delta(False)
+        assert emitted == detok.text[: len(detok.text) - _stop_prefix_len(detok.text, "<END>")]
+    assert detok.text == "hello <EN" and emitted == "hello "  # "<EN" could still become "<END>": held
+    assert detok.take_delta(False) == ""  # asking again while held sends nothing
+    for t in tok.encode("TER the room"):
+        assert not detok.add_token(t)
+        delta = detok.take_delta(False)
+        assert "<EN" not in emitted or "<EN" not in delta  # released once, never twice
+        emitted += delta
+    # "<ENT" can no longer be "<END>": released while generation goes on, not only at the end.
+    assert detok.text == emitted == "hello <ENTER the room"
+    assert detok.take_delta(True) == ""
+
+
+def test_partial_stop_prefix_that_completes_is_never_released(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, [], stop=["<END>"])
+    for t in tok.encode("hello <EN"):
         detok.add_token(t)
-    assert detok.take_delta(False) == "hello "  # "<EN" could still become "<END>"
+    assert detok.take_delta(False) == "hello "
     for t in tok.encode("D> no"):
         if detok.add_token(t):
             break

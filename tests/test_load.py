@@ -75,13 +75,16 @@ async def run_soak(served: Served) -> dict:
     await grpc.close()
     assert wait_until_idle(served), "the KV cache did not drain after the soak"
     memory_after = server_memory(served)
+    everything = [*warmup, *outcomes]
+    refused = [o for o in everything if o.errors and all("overloaded: " in e for e in o.errors)]
     ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     gaps = [g for o in outcomes for g in o.gaps_s]
     return {
         "concurrency": SOAK_CONCURRENCY, "waves": waves, "duration_s": round(duration, 1),
         "requests": len(outcomes) + len(warmup), "measured_requests": len(outcomes),
-        "errors": sum(len(o.errors) for o in [*warmup, *outcomes]),
-        "not_exactly_one_final": sum(o.finals != 1 for o in [*warmup, *outcomes]),
+        "refused_overloaded": len(refused),  # clean refusals (max_pending_requests), not failures
+        "errors": sum(len(o.errors) for o in everything) - sum(len(o.errors) for o in refused),
+        "not_exactly_one_end": sum(o.finals + len(o.errors) != 1 for o in everything),
         "responses": sum(len(o.arrivals) for o in outcomes),
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
@@ -90,14 +93,17 @@ async def run_soak(served: Served) -> dict:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(900 + int(SOAK_SECONDS))
 def test_soak_every_stream_ends_once_and_memory_comes_back(server: Served) -> None:
     report = asyncio.run(run_soak(server))
     print("soak:", json.dumps(report, indent=1))
     if path := os.environ.get("TRITIUM_SOAK_REPORT"):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=1))
-    assert report["errors"] == 0 and report["not_exactly_one_final"] == 0
+    assert report["errors"] == 0 and report["not_exactly_one_end"] == 0
     assert report["measured_requests"] >= SOAK_CONCURRENCY
+    # 200 at once against 64 seats + 128 waiting: a few are refused, far from most.
+    assert report["refused_overloaded"] <= report["requests"] // 4
     for name, before in report["memory_before_bytes"].items():
         after = report["memory_after_bytes"][name]
         assert after <= before * (1 + MEMORY_MARGIN) + (32 << 20), f"{name}: {before} -> {after} bytes"

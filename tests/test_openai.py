@@ -96,8 +96,11 @@ def test_errors_in_openai_shape(client: openai.OpenAI, triton: Served) -> None:
     assert [m.id for m in client.models.list()] == ["tritium"]
 
 
+FAULT = "FAULT-7f3a"  # the second replica's $TRITIUM_TEST_FAULT_MARKER: a step holding it fails
+
+
 def test_router_spreads_keeps_prefixes_together_and_survives_a_replica(triton: Served) -> None:
-    second = start_serve("--model-control=explicit", "--load-model=tritium")
+    second = start_serve("--model-control=explicit", "--load-model=tritium", env={"TRITIUM_TEST_FAULT_MARKER": FAULT})
     proc, base = start_openai([triton.grpc, second.grpc], api_key=None)
     try:
         oai = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
@@ -108,12 +111,17 @@ def test_router_spreads_keeps_prefixes_together_and_survives_a_replica(triton: S
                 return (metric_value(triton, "tritium_e2e_request_latency_seconds_count"),
                         metric_value(second, "tritium_e2e_request_latency_seconds_count"))
             previous = read()
-            while True:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
                 time.sleep(1.0)
                 current = read()
                 if current == previous:
                     return current
                 previous = current
+            raise AssertionError(f"request counters still moving after 60 s: {previous}")
+
+        def healthy_replicas() -> int:
+            return requests.get(base.removesuffix("/v1") + "/health", timeout=10).json()["healthy_replicas"]
 
         before = served_counts()
         for i in range(12):  # distinct prefixes: rendezvous hashing spreads them
@@ -128,6 +136,18 @@ def test_router_spreads_keeps_prefixes_together_and_survives_a_replica(triton: S
             oai.completions.create(model="tritium", prompt=shared + f"Question {i}?", max_tokens=2)
         final = served_counts()
         assert (final[0] - after[0], final[1] - after[1]) == (0, 6)
+        # A request that fails in the model (INTERNAL) or is refused (INVALID_ARGUMENT) on the second replica is
+        # answered once, as it is: not replayed on the first (where the faulty one would succeed), and no
+        # replica is marked down.
+        with pytest.raises(openai.InternalServerError) as failed:
+            oai.completions.create(model="tritium", prompt=shared + f"{FAULT}?", max_tokens=2)
+        error = failed.value.response.json()["error"]
+        assert re.fullmatch(r"internal error \(request id [0-9a-f]+\)", error["message"]), error
+        with pytest.raises(openai.BadRequestError):
+            oai.completions.create(model="tritium", prompt=shared + "word " * 9000, max_tokens=2)
+        assert served_counts()[0] == final[0] and healthy_replicas() == 2
+        assert oai.completions.create(model="tritium", prompt=shared + "After?", max_tokens=2).choices[0].text
+        assert served_counts()[1] > final[1]
         second.stop()
         for i in range(4):
             out = oai.completions.create(model="tritium", prompt=shared + f"Again {i}?", max_tokens=2)
@@ -146,8 +166,9 @@ def test_client_disconnect_cancels_the_upstream_request(client: openai.OpenAI, t
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith(b"data:") for line in got)
         assert wait_for(lambda: metric_value(triton, "tritium_num_requests_running") >= 1, 10)
-    # The connection is closed mid-stream: the endpoint must cancel the gRPC stream, and Triton the request.
-    assert wait_until_idle(triton, 60)
+    # The connection is closed mid-stream: the endpoint must cancel the gRPC stream, and Triton the request
+    # (within ~1 s; the gauges are pushed every 0.5 s), not generate the rest of the 4000 tokens.
+    assert wait_until_idle(triton, 5)
     assert client.completions.create(model="tritium", prompt="Hello", max_tokens=2).choices[0].text is not None
 
 
@@ -187,6 +208,11 @@ BAD_BODIES = [
     pytest.param("completions", _completion(n=17), 400, "n", id="n-17"),
     pytest.param("completions", _completion(prompt=["Hello"] * 65), 400, "prompt", id="prompts-65"),
     pytest.param("completions", _completion(prompt=["Hello"] * 8, n=9), 400, "n", id="choices-72"),
+    pytest.param("completions", _completion(prompt=["Hello"] * 11, n=3), 400, "n", id="choices-33"),
+    pytest.param("completions", _completion(prompt=["Hello"] * 33), 400, "prompt", id="prompts-33"),
+    pytest.param("completions", _completion(n=16, max_tokens=4097), 400, "max_tokens", id="choices-x-tokens-over-64k"),
+    pytest.param("chat", _chat(n=2, max_completion_tokens=40000), 400, "max_completion_tokens",
+                 id="chat-choices-x-tokens-over-64k"),
     pytest.param("completions", _completion(prompt=42), 400, "prompt", id="prompt-a-number"),
     pytest.param("completions", _completion(model="gpt-4"), 404, "model", id="unknown-model"),
     pytest.param("chat", _chat(messages=[]), 400, "messages", id="chat-no-messages"),
@@ -238,6 +264,28 @@ RAW_BODIES = [
     pytest.param("chat/completions", '{"model": "tritium", "messages": "Hello"}', 400, "messages",
                  id="messages-not-a-list"),
     pytest.param("completions", '{"model": "tritium", "prompt": ', 400, "JSON", id="not-json"),
+    pytest.param("completions", '{"model": "tritium", "prompt": ' + "[" * 5000 + "]" * 5000 + "}", 400, "JSON",
+                 id="5000-nested-brackets"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "stop": ' + '{"a": ' * 5000 + "1" + "}" * 5000
+                 + "}", 400, "JSON", id="5000-nested-objects"),
+    pytest.param("chat/completions", '{"model": "tritium", "messages": [{"role": "user", "content": "Hi", "name": '
+                 + "[" * 3000 + "]" * 3000 + "}]}", 400, "JSON", id="nested-extra-message-field"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "max_tokens": 1' + "0" * 400 + "}", 400,
+                 "max_tokens", id="max-tokens-10**400"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "seed": 1' + "0" * 400 + "}", 400, "seed",
+                 id="seed-10**400"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "temperature": 1' + "0" * 400 + "}", 400,
+                 "temperature", id="temperature-10**400"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "top_p": 1e400}', 400, "top_p",
+                 id="top-p-1e400"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "seed": ' + "9" * 5000 + "}", 400, "JSON",
+                 id="5000-digit-number"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "n": [1]}', 400, "n", id="n-a-list"),
+    pytest.param("completions", '{"model": "tritium", "prompt": "Hi", "stream": "yes please"}', 400, "stream",
+                 id="stream-a-sentence"),
+    pytest.param("completions", '[{"model": "tritium", "prompt": "Hi"}]', 400, "body", id="body-a-list"),
+    pytest.param("chat/completions", '{"model": "tritium", "messages": [{"role": "user", "content": "Hi", '
+                 '"tool_calls": {"a": [1, {"b": null}]}, "name": 1e300}]}', 200, "", id="odd-extra-message-fields"),
     pytest.param("completions", _ten_megabytes, 413, "body", id="10-MB-body"),
     pytest.param("completions", _over_the_limit_in_chunks, 413, "body", id="chunked-body-over-the-limit"),
 ]
@@ -250,8 +298,11 @@ def test_bad_raw_body_is_a_clear_4xx(client: openai.OpenAI, path: str, data: str
     resp = requests.post(f"{client.base_url}{path}", data=data() if callable(data) else data.encode(),
                          headers=headers, timeout=60)
     assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert names in error["message"], error
+    if status != 200:
+        # Never a traceback, an exception's class name or a replica's address.
+        assert not re.search(r"Traceback|[a-z]Error\b|Exception|127\.0\.0\.1", resp.text), resp.text
+        error = resp.json()["error"]
+        assert names in error["message"], error
     _assert_still_serving(client)
 
 
@@ -289,6 +340,29 @@ def test_request_guard_counts_the_body_as_it_arrives() -> None:
     status, body = asyncio.run(call([], [b"12345", b"678901"]))
     assert status == 413 and json.loads(body)["error"]["message"] == "request body over 10 bytes"
     assert asyncio.run(call([], [b"12345", b"67890"])) == (200, b'{"got":10}')
+
+
+def test_request_guard_answers_an_unexpected_exception_with_a_request_id(caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever escapes the app: a 500 naming a request id, the details only in the log under that id."""
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        raise KeyError("replica 10.1.2.3:8001 said no")
+
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(RequestGuard(app, api_key=None, max_bytes=100)(scope, receive, send))
+    assert sent[0]["status"] == 500
+    message = json.loads(sent[1]["body"])["error"]["message"]
+    request_id = re.fullmatch(r"internal error \(request id ([0-9a-f]+)\)", message)
+    assert request_id, message
+    assert request_id[1] in caplog.text and "10.1.2.3:8001" in caplog.text and "KeyError" in caplog.text
 
 
 @pytest.mark.parametrize("key", [None, "sk-wrong"])

@@ -36,7 +36,7 @@ def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams = GR
 
 @pytest.fixture(scope="module")
 def smol_prompts(default_model_path: Path) -> list[list[int]]:
-    llm = LLM(default_model_path, kv_cache_bytes=64 << 20)
+    llm = LLM(default_model_path, kv_cache_bytes=64 << 20, max_model_len=1024)
     return chat_ids(llm, PROMPTS)
 
 
@@ -47,20 +47,21 @@ def smol_expected(default_model_path: Path, smol_prompts: list[list[int]]) -> li
 
 def test_default_model_batched(make_llm: Callable[..., LLM], default_model_path: Path,
                                smol_prompts: list[list[int]], smol_expected: list[list[int]]) -> None:
-    llm = make_llm(None, kv_cache_bytes=256 << 20)
+    llm = make_llm(None, kv_cache_bytes=256 << 20, max_model_len=4096)
     assert generate_ids(llm, smol_prompts) == smol_expected
     assert any(len(e) == 32 for e in smol_expected)
 
 
 def test_default_model_one_at_a_time(make_llm: Callable[..., LLM], smol_prompts: list[list[int]],
                                      smol_expected: list[list[int]]) -> None:
-    llm = make_llm(None, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    llm = make_llm(None, kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False)
     assert [generate_ids(llm, [p])[0] for p in smol_prompts] == smol_expected
 
 
 def test_default_model_chunked_prefill(make_llm: Callable[..., LLM], smol_prompts: list[list[int]],
                                        smol_expected: list[list[int]]) -> None:
-    llm = make_llm(None, kv_cache_bytes=64 << 20, max_num_seqs=4, max_num_batched_tokens=13)
+    llm = make_llm(None, kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=4,
+                   max_num_batched_tokens=13)
     assert generate_ids(llm, smol_prompts) == smol_expected
     assert llm.engine.stats.steps > 0
 
@@ -69,7 +70,8 @@ def test_default_model_preemption(make_llm: Callable[..., LLM], smol_prompts: li
                                   smol_expected: list[list[int]]) -> None:
     longest = max(len(p) for p in smol_prompts) + 32
     blocks = -(-longest // 16) + 2  # enough for any one request, far too few for all at once
-    llm = make_llm(None, kv_cache_bytes=blocks * 2 * 30 * 3 * 64 * 4 * 16, enable_prefix_caching=False)
+    llm = make_llm(None, kv_cache_bytes=blocks * 2 * 30 * 3 * 64 * 4 * 16, max_model_len=blocks * 16,
+                   enable_prefix_caching=False)
     assert llm.engine.block_manager.num_blocks == blocks
     assert generate_ids(llm, smol_prompts) == smol_expected
     assert llm.engine.scheduler.num_preemptions > 0
@@ -77,7 +79,7 @@ def test_default_model_preemption(make_llm: Callable[..., LLM], smol_prompts: li
 
 def test_default_model_prefix_cache_hit(make_llm: Callable[..., LLM], default_model_path: Path,
                                         smol_prompts: list[list[int]], smol_expected: list[list[int]]) -> None:
-    llm = make_llm(None, kv_cache_bytes=64 << 20)
+    llm = make_llm(None, kv_cache_bytes=64 << 20, max_model_len=1024)
     generate_ids(llm, [smol_prompts[7]])  # fills the cache with the system prompt + a long question
     bm = llm.engine.block_manager
     before = bm.prefix_hit_tokens

@@ -97,8 +97,8 @@ def test_logprobs_are_the_raw_distribution() -> None:
     "field,value,message",
     [
         ("max_tokens", 0, "max_tokens must be >= 1"),
-        ("temperature", -0.1, "temperature must be >= 0"),
-        ("temperature", float("nan"), "temperature must be >= 0"),
+        ("temperature", -0.1, "temperature must be in [0, 100]"),
+        ("temperature", float("nan"), "temperature must be in [0, 100]"),
         ("top_p", 0.0, "top_p must be in (0, 1]"),
         ("top_p", 1.5, "top_p must be in (0, 1]"),
         ("top_k", -2, "top_k must be >= -1"),

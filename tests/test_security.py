@@ -1,94 +1,189 @@
-"""With an API key, nothing but health and metrics answers without it; keys stay out of every log;
-servers listen on loopback only."""
+"""Two keys: the inference key (x-api-key) opens inference, metadata, model config and statistics; the admin
+key (x-admin-key) opens model load/unload, logging, trace and shared memory; with only an inference key the
+admin APIs stay closed. Health and metrics answer without a key; keys stay out of every log; servers listen
+on loopback only."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import requests
-from serve_helpers import Served, grpc_stream, listening_addresses, server_log, start_openai, start_serve
+from serve_helpers import (
+    Served,
+    fake_repository,
+    grpc_stream,
+    listening_addresses,
+    restricted_keys,
+    server_log,
+    start_openai,
+    start_serve,
+)
 
 pytestmark = pytest.mark.slow
 KEY = "tritium-secret-4f9c2a"
+ADMIN_KEY = "tritium-admin-8b31d7"
 LOOPBACK_V4 = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
 # 127.0.0.1, ::ffff:127.0.0.1 and ::1
 LOOPBACK = {LOOPBACK_V4, "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
-
-# (method, path, body) of every Triton HTTP API group but health.
-RESTRICTED_HTTP = [
-    ("POST", "/v2/models/tritium/generate", {"text_input": "Hello", "max_tokens": 2}),
-    ("POST", "/v2/models/tritium/generate_stream", {"text_input": "Hello", "max_tokens": 2}),
-    ("GET", "/v2", None),
-    ("GET", "/v2/models/tritium", None),
-    ("GET", "/v2/models/tritium/config", None),
-    ("GET", "/v2/models/stats", None),
-    ("POST", "/v2/repository/index", {}),
-    ("POST", "/v2/repository/models/tritium/unload", {}),
-    ("GET", "/v2/trace/setting", None),
-    ("GET", "/v2/logging", None),
-    ("POST", "/v2/logging", {"log_verbose_level": 1}),
-    ("GET", "/v2/systemsharedmemory/status", None),
-    ("POST", "/v2/systemsharedmemory/region/x/register", {"key": "/x", "offset": 0, "byte_size": 8}),
-]
+INFERENCE, ADMIN = "inference", "admin"
 OPEN_HTTP = ["/v2/health/live", "/v2/health/ready", "/v2/models/tritium/ready"]
+UNKNOWN = object()  # a key the test does not know (the launcher's own admin secret)
+# What a client sends: (x-api-key, x-admin-key); HTTP headers and gRPC metadata alike.
+SENT: dict[str, tuple[str | None, str | None]] = {
+    "no key": (None, None),
+    "inference key": (KEY, None),
+    "admin key": (None, ADMIN_KEY),
+    "both keys": (KEY, ADMIN_KEY),
+    "swapped keys": (ADMIN_KEY, KEY),
+    "wrong case": (KEY.upper(), ADMIN_KEY.upper()),
+}
+
+
+def http_apis(model: str) -> list[tuple[str, str, str, Any]]:
+    """(group, method, path, body) of every Triton HTTP API but health."""
+    text = {"text_input": "Hello", "max_tokens": 2}
+    return [
+        (INFERENCE, "POST", f"/v2/models/{model}/generate", text),
+        (INFERENCE, "POST", f"/v2/models/{model}/generate_stream", text),
+        (INFERENCE, "POST", f"/v2/models/{model}/infer", {"inputs": []}),
+        (INFERENCE, "GET", "/v2", None),
+        (INFERENCE, "GET", f"/v2/models/{model}", None),
+        (INFERENCE, "GET", f"/v2/models/{model}/config", None),
+        (INFERENCE, "GET", "/v2/models/stats", None),
+        (ADMIN, "POST", "/v2/repository/index", {}),
+        (ADMIN, "POST", "/v2/repository/models/no-such-model/load", {}),
+        (ADMIN, "POST", "/v2/repository/models/no-such-model/unload", {}),
+        (ADMIN, "GET", "/v2/trace/setting", None),
+        (ADMIN, "GET", "/v2/logging", None),
+        (ADMIN, "POST", "/v2/logging", {"log_verbose_level": 1}),
+        (ADMIN, "GET", "/v2/systemsharedmemory/status", None),
+        (ADMIN, "POST", "/v2/systemsharedmemory/region/x/register", {"key": "/x", "offset": 0, "byte_size": 8}),
+        (ADMIN, "POST", "/v2/systemsharedmemory/unregister", {}),
+    ]
+
+
+def grpc_apis(url: str, model: str) -> list[tuple[str, str, Callable[[dict[str, str]], Any]]]:
+    """(group, name, call(headers)) of every Triton gRPC API but health; a call raises when it fails."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+
+    def stream(headers: dict[str, str]) -> None:
+        result = grpc_stream(url, "Hello", {"max_tokens": 2}, model=model, headers=headers, timeout=60)
+        if result.errors:
+            raise RuntimeError(result.errors[0])
+
+    return [
+        (INFERENCE, "stream infer", stream),
+        (INFERENCE, "infer", lambda h: client.infer(model, inputs=[], headers=h)),
+        (INFERENCE, "server metadata", lambda h: client.get_server_metadata(headers=h)),
+        (INFERENCE, "model metadata", lambda h: client.get_model_metadata(model, headers=h)),
+        (INFERENCE, "model config", lambda h: client.get_model_config(model, headers=h)),
+        (INFERENCE, "statistics", lambda h: client.get_inference_statistics(model, headers=h)),
+        (ADMIN, "repository index", lambda h: client.get_model_repository_index(headers=h)),
+        (ADMIN, "load", lambda h: client.load_model("no-such-model", headers=h)),
+        (ADMIN, "unload", lambda h: client.unload_model("no-such-model", headers=h)),
+        (ADMIN, "log settings", lambda h: client.get_log_settings(headers=h)),
+        (ADMIN, "update log settings", lambda h: client.update_log_settings({"log_verbose_level": 1}, headers=h)),
+        (ADMIN, "trace settings", lambda h: client.get_trace_settings(headers=h)),
+        (ADMIN, "shared memory status", lambda h: client.get_system_shared_memory_status(headers=h)),
+        (ADMIN, "shared memory register", lambda h: client.register_system_shared_memory("x", "/x", 8, headers=h)),
+        (ADMIN, "shared memory unregister", lambda h: client.unregister_system_shared_memory(headers=h)),
+    ]
+
+
+def expected(group: str, sent: tuple[str | None, str | None], api_key: str | None, admin_key: object) -> str:
+    """"allowed" or "refused": each group checks its own header only; a group without a key is open."""
+    key, header_value = (api_key, sent[0]) if group == INFERENCE else (admin_key, sent[1])
+    return "allowed" if key is None or header_value == key else "refused"
+
+
+def headers_for(sent: tuple[str | None, str | None], prefix: str = "") -> dict[str, str]:
+    names = (f"{prefix}x-api-key", f"{prefix}x-admin-key")
+    return {name: value for name, value in zip(names, sent, strict=True) if value is not None}
+
+
+def http_table(served: Served, model: str, api_key: str | None, admin_key: object) -> list[str]:
+    """Every HTTP API with every key set: the calls whose outcome is not the expected one."""
+    wrong = []
+    for group, method, path, body in http_apis(model):
+        for name, sent in SENT.items():
+            resp = requests.request(method, served.http + path, json=body, headers=headers_for(sent), timeout=60)
+            got = "refused" if resp.status_code == 403 and "restricted" in resp.text else "allowed"
+            if got != expected(group, sent, api_key, admin_key):
+                wrong.append(f"{method} {path} with {name}: {got} ({resp.status_code} {resp.text[:120]})")
+    return wrong
+
+
+def grpc_table(served: Served, model: str, api_key: str | None, admin_key: object) -> list[str]:
+    """Every gRPC API with every key set: the calls whose outcome is not the expected one."""
+    wrong = []
+    for group, api, call in grpc_apis(served.grpc, model):
+        for name, sent in SENT.items():
+            try:
+                call(headers_for(sent, "triton-grpc-protocol-"))
+                got, detail = "allowed", "ok"
+            except Exception as exc:  # any failure but "restricted" got past the key check
+                got, detail = ("refused" if "restricted" in str(exc) else "allowed"), str(exc)[:120]
+            if got != expected(group, sent, api_key, admin_key):
+                wrong.append(f"{api} with {name}: {got} ({detail})")
+    return wrong
 
 
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[Served]:
     served = start_serve("--model-control=explicit", "--load-model=tritium", "--log-verbose=1",
-                         env={"TRITIUM_API_KEY": KEY})
+                         env={"TRITIUM_API_KEY": KEY, "TRITIUM_ADMIN_KEY": ADMIN_KEY})
     yield served
     served.stop()
 
 
-def call(served: Served, method: str, path: str, body: Any, key: str | None = None) -> requests.Response:
-    headers = {"x-api-key": key} if key else {}
-    return requests.request(method, served.http + path, json=body, headers=headers, timeout=60)
+@pytest.fixture(scope="module")
+def fake_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fake_repository(tmp_path_factory.mktemp("fake-repo"), ["well"])
 
 
-@pytest.mark.parametrize("method,path,body", RESTRICTED_HTTP, ids=[f"{m} {p}" for m, p, _ in RESTRICTED_HTTP])
-def test_http_apis_need_the_key(keyed: Served, method: str, path: str, body: Any) -> None:
-    for key in (None, "wrong", KEY.upper()):
-        denied = call(keyed, method, path, body, key)
-        assert denied.status_code == 403 and "restricted" in denied.text, denied.text
-    if "unload" not in path:  # keep the model loaded for the other tests
-        assert call(keyed, method, path, body, KEY).status_code != 403
+def test_http_apis_need_their_own_key(keyed: Served) -> None:
+    assert http_table(keyed, "tritium", KEY, ADMIN_KEY) == []
+
+
+def test_grpc_apis_need_their_own_key(keyed: Served) -> None:
+    assert grpc_table(keyed, "tritium", KEY, ADMIN_KEY) == []
+    allowed = grpc_stream(keyed.grpc, "Hello", {"max_tokens": 2}, headers={"triton-grpc-protocol-x-api-key": KEY})
+    assert not allowed.errors and allowed.finals == 1
+
+
+def test_with_only_an_inference_key_the_admin_apis_stay_closed(fake_repo: Path) -> None:
+    served = start_serve(f"--model-repository={fake_repo}", env={"TRITIUM_API_KEY": KEY, "TRITIUM_ADMIN_KEY": ""})
+    try:
+        assert http_table(served, "well", KEY, UNKNOWN) == []
+        assert grpc_table(served, "well", KEY, UNKNOWN) == []
+        secret = restricted_keys(served.server_pid)["x-admin-key"]
+        log = server_log(served.server_pid)
+    finally:
+        output = "".join(served.output) + served.stop()
+    assert len(secret) >= 32 and secret not in log and secret not in output
+    assert "shared memory: closed (no --admin-key)" in output
+
+
+def test_without_keys_every_api_is_open(fake_repo: Path) -> None:
+    served = start_serve(f"--model-repository={fake_repo}", env={"TRITIUM_API_KEY": "", "TRITIUM_ADMIN_KEY": ""})
+    try:
+        assert restricted_keys(served.server_pid) == {}
+        assert http_table(served, "well", None, None) == []
+        assert grpc_table(served, "well", None, None) == []
+    finally:
+        served.stop()
 
 
 def test_health_and_metrics_are_open(keyed: Served) -> None:
     for path in OPEN_HTTP:
         assert requests.get(keyed.http + path, timeout=10).status_code == 200, path
     assert "tritium_kv_cache_used_blocks" in requests.get(keyed.metrics, timeout=10).text
-
-
-def test_grpc_apis_need_the_key(keyed: Served) -> None:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    client = grpcclient.InferenceServerClient(keyed.grpc)
-    headers = {"triton-grpc-protocol-x-api-key": KEY}
-    calls: list[Callable[..., Any]] = [
-        client.get_server_metadata, lambda **kw: client.get_model_metadata("tritium", **kw),
-        lambda **kw: client.get_model_config("tritium", **kw), client.get_model_repository_index,
-        lambda **kw: client.get_inference_statistics("tritium", **kw), client.get_log_settings,
-        client.get_trace_settings, client.get_system_shared_memory_status,
-        lambda **kw: client.unload_model("no-such-model", **kw),
-    ]
-    for fn in calls:
-        with pytest.raises(InferenceServerException, match="restricted"):
-            fn()
-        with pytest.raises(InferenceServerException, match="restricted"):
-            fn(headers={"triton-grpc-protocol-x-api-key": "wrong"})
-    for fn in calls[:-1]:
-        fn(headers=headers)
-    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tritium")
-    denied = grpc_stream(keyed.grpc, "Hello", {"max_tokens": 2})
-    assert denied.errors and "restricted" in denied.errors[0] and not denied.texts
-    allowed = grpc_stream(keyed.grpc, "Hello", {"max_tokens": 2}, headers=headers)
-    assert not allowed.errors and allowed.finals == 1
 
 
 def test_openai_endpoint_needs_the_key_and_forwards_it(keyed: Served) -> None:
@@ -107,13 +202,16 @@ def test_openai_endpoint_needs_the_key_and_forwards_it(keyed: Served) -> None:
     assert KEY not in output
 
 
-def test_the_key_is_in_no_log(keyed: Served) -> None:
-    call(keyed, "POST", "/v2/models/tritium/generate", {"text_input": "Hello", "max_tokens": 2}, KEY)
-    call(keyed, "GET", "/v2/logging", None, "not-the-key")
+def test_the_keys_are_in_no_log(keyed: Served) -> None:
+    both = headers_for((KEY, ADMIN_KEY))
+    requests.post(keyed.http + "/v2/models/tritium/generate", json={"text_input": "Hello", "max_tokens": 2},
+                  headers=both, timeout=60)
+    requests.get(keyed.http + "/v2/logging", headers=both, timeout=10)
+    requests.get(keyed.http + "/v2/logging", headers={"x-admin-key": "not-the-key"}, timeout=10)
     log = server_log(keyed.server_pid)
     assert "HTTP request: 0 /v2/logging" in log  # verbose logging saw the requests
-    assert KEY not in log
-    assert KEY not in "".join(keyed.output)
+    assert KEY not in log and ADMIN_KEY not in log
+    assert KEY not in "".join(keyed.output) and ADMIN_KEY not in "".join(keyed.output)
 
 
 def test_servers_listen_on_loopback_only(keyed: Served) -> None:

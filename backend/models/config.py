@@ -8,10 +8,49 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # what the Triton attention kernels handle
 
 
 class ModelFolderError(ValueError):
-    """A model folder that cannot be loaded: a missing file or an unsupported architecture."""
+    """A model folder that cannot be loaded: a missing file, an unsupported architecture, or a
+    checkpoint feature the model code does not implement (named, never loaded silently wrong)."""
+
+
+def rope_type(rope_scaling: dict[str, Any] | None) -> str:
+    scaling = rope_scaling or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def unsupported_features(raw: dict[str, Any]) -> list[str]:
+    """The settings of a `config.json` that this model code would get wrong, each named with its value."""
+    found = []
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act not in SUPPORTED_ACTIVATIONS:
+        found.append(f"hidden_act {act!r} (supported: silu)")
+    rope_params = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if (kind := rope_type(rope_params)) not in SUPPORTED_ROPE_TYPES:
+        found.append(f"rope_scaling type {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    partial = raw.get("partial_rotary_factor", (rope_params or {}).get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        found.append(f"partial_rotary_factor {partial} (supported: 1.0)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key):
+            found.append(f"{key} {raw[key]}")
+    if quant := raw.get("quantization_config"):
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        found.append(f"quantization_config ({method}); load an unquantized checkpoint")
+    return found
+
+
+def check_attention_backend(config: ModelConfig, backend: str) -> None:
+    """Raise ModelFolderError when the `backend` attention kernels cannot run this model's head size."""
+    if backend == "triton" and config.head_dim not in TRITON_HEAD_DIMS:
+        raise ModelFolderError(
+            f"head_dim {config.head_dim} is not supported by the triton attention backend "
+            f"(supported: {', '.join(map(str, TRITON_HEAD_DIMS))}); use attention_backend='torch'"
+        )
 
 
 @dataclass
@@ -28,16 +67,20 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # bias on the q/k/v projections
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # an active window caps max_position_embeddings (attention is full)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         """Read `config.json` (and `generation_config.json` when present) from `folder`.
 
-        Raises ModelFolderError when config.json is missing or names an unsupported architecture.
+        Raises ModelFolderError when config.json is missing, names an unsupported architecture, or
+        asks for a feature this model code does not implement (see unsupported_features).
         """
         folder = Path(folder)
         path = folder / "config.json"
@@ -51,6 +94,9 @@ class ModelConfig:
                 f"{path}: unsupported architecture {arch or '(none)'!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        unsupported = unsupported_features(raw)
+        if unsupported:
+            raise ModelFolderError(f"{path}: unsupported checkpoint feature(s): {'; '.join(unsupported)}")
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         gen_path = folder / "generation_config.json"
@@ -68,9 +114,13 @@ class ModelConfig:
             rope_scaling = rope_params
         max_positions = int(raw.get("max_position_embeddings", 2048))
         window = raw.get("sliding_window")
+        active_window = None
         if window and (arch != "Qwen2ForCausalLM" or raw.get("use_sliding_window")):
             # Attention here is full; a context within the window is exactly what the model saw.
-            max_positions = min(max_positions, int(window))
+            active_window = int(window)
+            max_positions = min(max_positions, active_window)
+        # Llama puts attention_bias on q/k/v and o; Qwen2 has q/k/v bias only; Mistral has none.
+        attention_bias = arch == "Qwen2ForCausalLM" or (arch == "LlamaForCausalLM" and bool(raw.get("attention_bias")))
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -84,8 +134,11 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=attention_bias,
             rope_scaling=rope_scaling,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            o_proj_bias=attention_bias and arch == "LlamaForCausalLM",
+            mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias")),
+            sliding_window=active_window,
         )

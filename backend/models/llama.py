@@ -79,9 +79,9 @@ class LlamaDecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         h = config.hidden_size
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
 

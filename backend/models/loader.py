@@ -17,7 +17,9 @@ from tritium.backend.models.llama import LlamaForCausalLM, build_cos_sin_cache, 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _DIRECT = {
     "self_attn.o_proj.weight": "o_proj.weight",
+    "self_attn.o_proj.bias": "o_proj.bias",
     "mlp.down_proj.weight": "down_proj.weight",
+    "mlp.down_proj.bias": "down_proj.bias",
     "input_layernorm.weight": "input_layernorm",
     "post_attention_layernorm.weight": "post_attention_layernorm",
 }
@@ -30,7 +32,10 @@ _FUSED = {  # HF name -> (our name, part index)
     "self_attn.v_proj.bias": ("qkv_proj.bias", 2),
     "mlp.gate_proj.weight": ("gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("gate_up_proj.weight", 1),
+    "mlp.gate_proj.bias": ("gate_up_proj.bias", 0),
+    "mlp.up_proj.bias": ("gate_up_proj.bias", 1),
 }
+_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")  # a cache some old checkpoints saved, recomputed here
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -63,15 +68,24 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build the model for `folder` with its weights in `dtype` on `device`.
 
-    Raises ModelFolderError for a missing file, an unsupported architecture or missing tensors.
+    Raises ModelFolderError for a missing file, an unsupported architecture or feature, missing tensors,
+    tensors the model code would not use (a feature it does not implement), or a `max_positions`
+    beyond the model's context (its sliding window, when it has one, would be active).
     """
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
+    if max_positions is not None and max_positions > config.max_position_embeddings:
+        reason = f" (its sliding_window of {config.sliding_window} tokens)" if config.sliding_window else ""
+        raise ModelFolderError(
+            f"max_model_len {max_positions} exceeds the model's context of {config.max_position_embeddings} "
+            f"tokens{reason}"
+        )
     files = weight_files(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=1)
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
+    unused: list[str] = []
     for name, tensor in iter_tensors(files):
         tensor = tensor.to(dtype)
         if name == "model.embed_tokens.weight":
@@ -88,12 +102,24 @@ def load_model(
             elif rest in _FUSED:
                 target, idx = _FUSED[rest]
                 parts.setdefault(f"layers.{layer}.{target}", {})[idx] = tensor
+            elif not _IGNORED.search(name):
+                unused.append(name)
+        elif not _IGNORED.search(name):
+            unused.append(name)
+    expected = {k for k in model.state_dict() if k != "cos_sin_cache"}
+    unused += sorted(k for k in parts if k not in expected)  # e.g. a bias the config does not announce
+    unused += sorted(k for k in state if k not in expected)
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ModelFolderError(
+            f"model folder {folder}: the checkpoint has tensors this model code does not use ({shown}); "
+            "an unsupported feature, refused rather than loaded without them"
+        )
     for target, pieces in parts.items():
         count = 3 if "qkv" in target else 2
         if len(pieces) != count:
             raise ModelFolderError(f"model folder {folder}: incomplete weights for {target}")
         state[target] = torch.cat([pieces[i] for i in range(count)], dim=0)
-    expected = {k for k in model.state_dict() if k != "cos_sin_cache"}
     missing = sorted(expected - state.keys())
     if missing:
         shown = ", ".join(missing[:5])

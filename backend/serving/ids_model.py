@@ -12,6 +12,7 @@ Triton does not pass cancellation through an ensemble to this step, so a request
 from __future__ import annotations
 
 import json
+import logging
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from tritium.backend.serving.request import decode_text, sampling_from_dict, sca
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.serving.triton_sink import TritonSink, read_inputs, reject
 
+logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 SCALAR_INPUTS = {  # tensor name -> SamplingParams field
     "max_tokens": "max_tokens", "min_tokens": "min_tokens", "temperature": "temperature", "top_p": "top_p",
@@ -83,21 +85,27 @@ class TritonPythonModel:
         settings = load_settings(Path(args["model_repository"]) / args["model_version"])
         self.timeout_s = settings.request_timeout_s or DEFAULT_TIMEOUT_S
         self.engine = LLMEngine(settings.engine)
-        self.loop = EngineLoop(self.engine, EngineMetrics(pb_utils, args["model_name"], args["model_version"]))
+        self.loop = EngineLoop(self.engine, EngineMetrics(pb_utils, args["model_name"], args["model_version"]),
+                               settings.max_pending_requests)
         self.loop.start()
         self._ids = count()
         self.input_names = [i["name"] for i in json.loads(args["model_config"])["input"]]
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
+            request_id = f"ids-{next(self._ids)}"
             sender = request.get_response_sender()
             try:
                 prompt_ids, sampling, stream = parse_ids_request(read_inputs(self.pb, request, self.input_names))
                 params = sampling_from_dict(sampling)
             except ValueError as exc:
-                reject(self.pb, sender, str(exc))
+                reject(self.pb, sender, str(exc), request_id)
                 continue
-            job = Job(request_id=f"ids-{next(self._ids)}", params=params,
+            except Exception:  # the details go to the log only
+                logger.exception("parsing request %s failed", request_id)
+                reject(self.pb, sender, "the request could not be parsed", request_id)
+                continue
+            job = Job(request_id=request_id, params=params,
                       sink=IdsSink(self.pb, sender, prompt_ids, stream), prompt_token_ids=prompt_ids)
             job.deadline = job.arrival + self.timeout_s
             self.loop.submit(job)

@@ -17,8 +17,9 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class EngineMetrics:
-    """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption and prefix
-    hit counters; running/waiting/KV-usage gauges. Labelled with the model name and version."""
+    """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption, prefix hit and
+    refusal counters; running/waiting/KV-usage/engine-health gauges. Labelled with the model name and
+    version."""
 
     def __init__(self, pb_utils: Any, model: str, version: str) -> None:
         family = pb_utils.MetricFamily
@@ -48,6 +49,11 @@ class EngineMetrics:
                                   "cache", counter)
         self.prefix_queries = metric("tritium_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the "
                                      "prefix cache", counter)
+        self.refused = metric("tritium_num_requests_refused_total", "Requests refused because too many were "
+                              "waiting (max_pending_requests)", counter)
+        self.engine_healthy = metric("tritium_engine_healthy", "1 while the engine serves, 0 once its thread failed",
+                                     gauge)
+        self.engine_healthy.set(1)
         self._seen_preemptions = 0
         self._seen_hits = 0
         self._seen_queries = 0
@@ -71,6 +77,14 @@ class EngineMetrics:
         if output.finished:
             self._e2e.append(now - job.arrival)
             self._prompt += output.num_input_tokens
+
+    def on_refused(self) -> None:
+        self.refused.increment(1)
+
+    def on_engine_failed(self) -> None:
+        self.engine_healthy.set(0)
+        self.running.set(0)
+        self.waiting.set(0)
 
     def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None:
         """Push what was gathered, if FLUSH_INTERVAL_S passed since the last push (or `force`)."""

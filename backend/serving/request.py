@@ -91,6 +91,8 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"sampling_parameters must be a JSON object: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise ValueError("sampling_parameters is nested too deeply") from None
     if not isinstance(value, dict):
         raise ValueError(f"sampling_parameters must be a JSON object, got {type(value).__name__}")
     return value

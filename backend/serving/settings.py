@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from tritium.backend.config import EngineConfig
+from tritium.backend.serving.engine_loop import DEFAULT_MAX_PENDING_REQUESTS
 
 
 @dataclass
 class ServingSettings:
     engine: EngineConfig
     request_timeout_s: float | None  # abort requests still running after this long (None: never)
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS  # beyond this many waiting, refuse ("overloaded")
 
 
 def load_settings(version_dir: str | Path) -> ServingSettings:
@@ -23,6 +25,9 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     path = version_dir / "model.json"
     raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     timeout = raw.pop("request_timeout_s", None)
+    max_pending = raw.pop("max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS)
+    if not isinstance(max_pending, int) or isinstance(max_pending, bool) or max_pending < 1:
+        raise ValueError(f"{path}: max_pending_requests must be an integer >= 1, got {max_pending!r}")
     known = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -30,4 +35,4 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     model = raw.get("model")
     if model and not Path(model).expanduser().is_absolute() and (version_dir / model).exists():
         raw["model"] = str((version_dir / model).resolve())
-    return ServingSettings(EngineConfig(**raw), float(timeout) if timeout is not None else None)
+    return ServingSettings(EngineConfig(**raw), float(timeout) if timeout is not None else None, max_pending)

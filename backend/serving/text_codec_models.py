@@ -4,7 +4,9 @@ model folder named in their version's model.json (null: the embedded default).""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.serving.request import decode_text, scalar
 from tritium.backend.serving.settings import load_settings
-from tritium.backend.tokenizer import Tokenizer
+from tritium.backend.tokenizer import TOKENIZER_NICE, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,13 @@ class _TokenizerModel:
 
 
 class PreprocessingModel(_TokenizerModel):
+    def initialize(self, args: dict[str, Any]) -> None:
+        super().initialize(args)
+        # Tokenizing a big prompt must not take the CPU from the engine's running streams (threads the
+        # tokenizer starts later inherit this nice value).
+        with contextlib.suppress(OSError):
+            os.nice(TOKENIZER_NICE)
+
     def execute(self, requests: list[Any]) -> list[Any]:
         pb = self.pb
         responses = []
@@ -75,6 +84,9 @@ class PreprocessingModel(_TokenizerModel):
                 ]))
             except ValueError as exc:
                 responses.append(_error(pb, f"invalid request: {exc}"))
+            except Exception:  # the details go to the log only
+                logger.exception("preprocessing a request failed")
+                responses.append(_error(pb, "internal error while tokenizing the request"))
         return responses
 
 
@@ -83,10 +95,14 @@ class PostprocessingModel(_TokenizerModel):
         pb = self.pb
         responses = []
         for request in requests:
-            ids = pb.get_input_tensor_by_name(request, "output_ids").as_numpy().reshape(-1).tolist()
-            ctx_t = pb.get_input_tensor_by_name(request, "context_ids")
-            context = ctx_t.as_numpy().reshape(-1).tolist() if ctx_t is not None else []
-            text = decode_delta(self.tokenizer, context, ids)
-            responses.append(pb.InferenceResponse(output_tensors=[
-                pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]))
+            try:
+                ids = pb.get_input_tensor_by_name(request, "output_ids").as_numpy().reshape(-1).tolist()
+                ctx_t = pb.get_input_tensor_by_name(request, "context_ids")
+                context = ctx_t.as_numpy().reshape(-1).tolist() if ctx_t is not None else []
+                text = decode_delta(self.tokenizer, context, ids)
+                responses.append(pb.InferenceResponse(output_tensors=[
+                    pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]))
+            except Exception:  # the details go to the log only
+                logger.exception("postprocessing a response failed")
+                responses.append(_error(pb, "internal error while detokenizing the response"))
         return responses

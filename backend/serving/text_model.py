@@ -7,6 +7,8 @@ Loaded by `model_repository/tritium/<version>/model.py`, which only re-exports `
 from __future__ import annotations
 
 import json
+import logging
+import os
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from tritium.backend.serving.request import TextRequest, parse_text_request
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.serving.triton_sink import TritonSink, read_inputs, reject
 
+logger = logging.getLogger(__name__)
 TEXT_INPUTS = ("text_input", "sampling_parameters", "stream", "exclude_input_in_output", "return_finish_reason",
                "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
 
@@ -69,6 +72,8 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
+        # Tokenize on the (low-priority) calling thread, not on a pool of the tokenizers library's own.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("the tritium model must use model_transaction_policy { decoupled: true }")
@@ -77,7 +82,7 @@ class TritonPythonModel:
         self.timeout_s = settings.request_timeout_s
         self.engine = LLMEngine(settings.engine)
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
-        self.loop = EngineLoop(self.engine, metrics)
+        self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests)
         self.loop.start()
         self._ids = count()
         import torch
@@ -94,14 +99,21 @@ class TritonPythonModel:
         return value if isinstance(value, dict) else {}
 
     def execute(self, requests: list[Any]) -> None:
+        """Parse each request on its own (a bad one gets its error, the others go on) and submit it; the
+        prompt is tokenized on the engine loop's tokenizer thread, not here."""
         for request in requests:
+            request_id = f"req-{next(self._ids)}"
             sender = request.get_response_sender()
             try:
                 parsed = parse_text_request(read_inputs(self.pb, request, TEXT_INPUTS), self._parameters(request))
             except ValueError as exc:
-                reject(self.pb, sender, str(exc))
+                reject(self.pb, sender, str(exc), request_id)
                 continue
-            job = Job(request_id=f"req-{next(self._ids)}", params=parsed.params,
+            except Exception:  # e.g. inputs of an odd type or shape: the details go to the log only
+                logger.exception("parsing request %s failed", request_id)
+                reject(self.pb, sender, "the request could not be parsed", request_id)
+                continue
+            job = Job(request_id=request_id, params=parsed.params,
                       sink=TextSink(self.pb, sender, parsed), prompt=parsed.prompt)
             if self.timeout_s is not None:
                 job.deadline = job.arrival + self.timeout_s

@@ -8,7 +8,19 @@ from typing import Any
 
 import numpy as np
 
+from tritium.backend.serving.engine_loop import ErrorKind
+
 logger = logging.getLogger(__name__)
+ERROR_CODES = {  # pb_utils.TritonError code names; tritonserver maps them to gRPC / HTTP statuses
+    ErrorKind.INVALID: "INVALID_ARG", ErrorKind.OVERLOADED: "UNAVAILABLE", ErrorKind.UNAVAILABLE: "UNAVAILABLE",
+    ErrorKind.INTERNAL: "INTERNAL",
+}
+
+
+def triton_error(pb_utils: Any, message: str, kind: ErrorKind) -> Any:
+    """A TritonError with the status code for `kind` (a stub without codes gets the message alone)."""
+    code = getattr(pb_utils.TritonError, ERROR_CODES[kind], None)
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
 def read_inputs(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, np.ndarray | None]:
@@ -20,10 +32,13 @@ def read_inputs(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, 
     return inputs
 
 
-def reject(pb_utils: Any, sender: Any, message: str) -> None:
+def reject(pb_utils: Any, sender: Any, message: str, request_id: str) -> None:
     """Answer a request that failed validation with one final error response."""
-    response = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {message}"))
-    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    error = triton_error(pb_utils, f"invalid request: {message} (request id {request_id})", ErrorKind.INVALID)
+    try:
+        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as exc:  # the client is gone
+        logger.warning("could not send the error response for %s: %s", request_id, exc)
 
 
 class TritonSink:
@@ -38,9 +53,9 @@ class TritonSink:
     def is_cancelled(self) -> bool:
         return not self.final_sent and bool(self.sender.is_cancelled())
 
-    def send_error(self, message: str) -> None:
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
         if not self.final_sent:
-            self._send(self.pb.InferenceResponse(error=self.pb.TritonError(message)), final=True)
+            self._send(self.pb.InferenceResponse(error=triton_error(self.pb, message, kind)), final=True)
 
     def _send(self, response: Any, final: bool) -> None:
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
