@@ -128,29 +128,8 @@ class LLMEngine:
             self.tokenizer.check_can_fit(prompt, self.max_model_len)
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens; the model's context is {self.max_model_len} tokens, "
-                "which must hold the prompt and at least one generated token"
-            )
+        self.check_request(ids, params)
         max_tokens = params.max_tokens
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the model's context of "
-                f"{self.max_model_len} tokens; ask for at most {self.max_model_len - len(ids)} tokens"
-            )
-        if len(ids) + max_tokens > self.kv_capacity_tokens:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
-                f"capacity of {self.kv_capacity_tokens} tokens"
-            )
         detok = IncrementalDetokenizer(
             self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
@@ -159,6 +138,33 @@ class LLMEngine:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError when token ids `ids` with `params` cannot be served by this engine (empty, ids
+        outside the vocabulary, too long for the context or the KV cache). Reads only settings: any thread
+        may call it (the serving tokenizer thread does, so that hopeless prompts never reach the engine)."""
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; the model's context is {self.max_model_len} tokens, "
+                "which must hold the prompt and at least one generated token"
+            )
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the model's context "
+                f"of {self.max_model_len} tokens; ask for at most {self.max_model_len - len(ids)} tokens"
+            )
+        if len(ids) + params.max_tokens > self.kv_capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache "
+                f"capacity of {self.kv_capacity_tokens} tokens"
+            )
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; its final output (finish_reason "abort") comes with

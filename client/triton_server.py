@@ -14,6 +14,7 @@ inference key the read-only ones, the admin key (else a secret only this launche
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import re
 import secrets
@@ -268,7 +269,7 @@ class TritonServer:
         try:
             with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as resp:
                 return resp.status == 200
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             return False
 
     def engine_health(self) -> list[EngineHealth]:
@@ -276,7 +277,7 @@ class TritonServer:
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
                 return parse_engine_health(resp.read().decode(errors="replace"))
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             return []
 
     def unload_model(self, name: str, timeout: float = 60.0) -> None:
@@ -290,7 +291,7 @@ class TritonServer:
                 return
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"unloading {name} failed: HTTP {exc.code} {exc.read()[:500]!r}") from exc
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise RuntimeError(f"unloading {name} failed: {exc}") from exc
 
     def failed_engines(self) -> list[EngineHealth]:

@@ -19,7 +19,7 @@ from serve_helpers import Served, metric_value, start_openai, start_serve, wait_
 from starlette.types import Message, Receive, Scope, Send
 
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client.openai_server import RequestGuard
+from tritium.client.openai_guard import RequestGuard
 from tritium.client.router import prefix_score
 
 pytestmark = pytest.mark.slow

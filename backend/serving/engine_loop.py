@@ -166,7 +166,9 @@ class EngineLoop:
                 if not job.prompt:
                     raise ValueError("prompt must not be empty")
                 tokenizer.check_can_fit(job.prompt, max_len)
-                job.prompt_token_ids = tokenizer.encode(job.prompt)
+                ids = tokenizer.encode(job.prompt)
+                self.engine.check_request(ids, job.params)  # a hopeless prompt never reaches the engine thread
+                job.prompt_token_ids = ids
             except ValueError as exc:
                 self._fail(job, f"invalid request: {exc}", ErrorKind.INVALID)
             except Exception:
