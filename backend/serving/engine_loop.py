@@ -28,21 +28,23 @@ from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.serving.heap import heap_trimmer
+from tritium.backend.serving.settings import DEFAULT_MAX_PENDING_REQUESTS
 from tritium.backend.tokenizer import TOKENIZER_NICE
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
 CANCEL_POLL_S = 0.1  # is_cancelled() is a round trip to the server: ask at most this often
-DEFAULT_MAX_PENDING_REQUESTS = 128
 
 
 class ErrorKind(enum.Enum):
     """What a final error means to the client (Triton maps them to gRPC / HTTP status codes)."""
 
-    INVALID = "invalid"  # the request's own fault: INVALID_ARGUMENT / 400
-    OVERLOADED = "overloaded"  # refused, retry later: UNAVAILABLE / 503
-    UNAVAILABLE = "unavailable"  # the model is not serving: UNAVAILABLE / 503
-    INTERNAL = "internal"  # failed while generating: INTERNAL / 500
+    INVALID = "invalid"  # the request's own fault: INVALID_ARG
+    OVERLOADED = "overloaded"  # refused, retry later: UNAVAILABLE (the message starts "overloaded:")
+    UNAVAILABLE = "unavailable"  # the model is not serving: UNAVAILABLE
+    INTERNAL = "internal"  # failed while generating: INTERNAL
+    # Triton's HTTP generate endpoints answer every model error with 400, and a gRPC stream carries only the
+    # message: the code reaches gRPC unary-style clients only.
 
 
 class ResponseSink(Protocol):

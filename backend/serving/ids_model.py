@@ -12,7 +12,6 @@ Triton does not pass cancellation through an ensemble to this step, so a request
 from __future__ import annotations
 
 import json
-import logging
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,13 @@ import numpy as np
 from tritium.backend.config import RequestOutput
 from tritium.backend.detokenizer import PROMPT_CONTEXT_TOKENS
 from tritium.backend.engine import LLMEngine
+from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import decode_text, sampling_from_dict, scalar
 from tritium.backend.serving.settings import load_settings
-from tritium.backend.serving.triton_sink import TritonSink, read_inputs, reject
+from tritium.backend.serving.triton_sink import TritonSink, parse_or_reject, read_inputs
 
-logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 SCALAR_INPUTS = {  # tensor name -> SamplingParams field
     "max_tokens": "max_tokens", "min_tokens": "min_tokens", "temperature": "temperature", "top_p": "top_p",
@@ -91,20 +90,18 @@ class TritonPythonModel:
         self._ids = count()
         self.input_names = [i["name"] for i in json.loads(args["model_config"])["input"]]
 
+    def _parse(self, request: Any) -> tuple[list[int], SamplingParams, bool]:
+        prompt_ids, sampling, stream = parse_ids_request(read_inputs(self.pb, request, self.input_names))
+        return prompt_ids, sampling_from_dict(sampling), stream
+
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             request_id = f"ids-{next(self._ids)}"
             sender = request.get_response_sender()
-            try:
-                prompt_ids, sampling, stream = parse_ids_request(read_inputs(self.pb, request, self.input_names))
-                params = sampling_from_dict(sampling)
-            except ValueError as exc:
-                reject(self.pb, sender, str(exc), request_id)
+            parsed = parse_or_reject(self.pb, sender, request_id, lambda request=request: self._parse(request))
+            if parsed is None:
                 continue
-            except Exception:  # the details go to the log only
-                logger.exception("parsing request %s failed", request_id)
-                reject(self.pb, sender, "the request could not be parsed", request_id)
-                continue
+            prompt_ids, params, stream = parsed
             job = Job(request_id=request_id, params=params,
                       sink=IdsSink(self.pb, sender, prompt_ids, stream), prompt_token_ids=prompt_ids)
             job.deadline = job.arrival + self.timeout_s

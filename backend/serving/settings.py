@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from tritium.backend.config import EngineConfig
-from tritium.backend.serving.engine_loop import DEFAULT_MAX_PENDING_REQUESTS
+
+DEFAULT_MAX_PENDING_REQUESTS = 128  # twice the default max_num_seqs
 
 
 @dataclass

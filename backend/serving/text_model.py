@@ -7,7 +7,6 @@ Loaded by `model_repository/tritium/<version>/model.py`, which only re-exports `
 from __future__ import annotations
 
 import json
-import logging
 import os
 from itertools import count
 from pathlib import Path
@@ -21,9 +20,8 @@ from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import TextRequest, parse_text_request
 from tritium.backend.serving.settings import load_settings
-from tritium.backend.serving.triton_sink import TritonSink, read_inputs, reject
+from tritium.backend.serving.triton_sink import TritonSink, parse_or_reject, read_inputs
 
-logger = logging.getLogger(__name__)
 TEXT_INPUTS = ("text_input", "sampling_parameters", "stream", "exclude_input_in_output", "return_finish_reason",
                "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
 
@@ -104,14 +102,9 @@ class TritonPythonModel:
         for request in requests:
             request_id = f"req-{next(self._ids)}"
             sender = request.get_response_sender()
-            try:
-                parsed = parse_text_request(read_inputs(self.pb, request, TEXT_INPUTS), self._parameters(request))
-            except ValueError as exc:
-                reject(self.pb, sender, str(exc), request_id)
-                continue
-            except Exception:  # e.g. inputs of an odd type or shape: the details go to the log only
-                logger.exception("parsing request %s failed", request_id)
-                reject(self.pb, sender, "the request could not be parsed", request_id)
+            parsed = parse_or_reject(self.pb, sender, request_id, lambda request=request: parse_text_request(
+                read_inputs(self.pb, request, TEXT_INPUTS), self._parameters(request)))
+            if parsed is None:
                 continue
             job = Job(request_id=request_id, params=parsed.params,
                       sink=TextSink(self.pb, sender, parsed), prompt=parsed.prompt)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 
 from tritium.backend.serving.engine_loop import ErrorKind
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 ERROR_CODES = {  # pb_utils.TritonError code names; tritonserver maps them to gRPC / HTTP statuses
     ErrorKind.INVALID: "INVALID_ARG", ErrorKind.OVERLOADED: "UNAVAILABLE", ErrorKind.UNAVAILABLE: "UNAVAILABLE",
     ErrorKind.INTERNAL: "INTERNAL",
@@ -39,6 +40,20 @@ def reject(pb_utils: Any, sender: Any, message: str, request_id: str) -> None:
         sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception as exc:  # the client is gone
         logger.warning("could not send the error response for %s: %s", request_id, exc)
+
+
+def parse_or_reject(pb_utils: Any, sender: Any, request_id: str, parse: Callable[[], T]) -> T | None:
+    """`parse()`'s result, or None once the request is answered with one error: a ValueError's message
+    names the field and the rule; anything else (odd input types or shapes) is logged under `request_id`
+    and the client gets only the id."""
+    try:
+        return parse()
+    except ValueError as exc:
+        reject(pb_utils, sender, str(exc), request_id)
+    except Exception:
+        logger.exception("parsing request %s failed", request_id)
+        reject(pb_utils, sender, "the request could not be parsed", request_id)
+    return None
 
 
 class TritonSink:
