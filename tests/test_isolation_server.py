@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from serve_helpers import Served, grpc_stream, http_generate, wait_until_idle
+from serve_helpers import Served, grpc_stream, http_generate, metric_value, wait_for, wait_until_idle
 
 pytestmark = pytest.mark.slow
 LONG = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
@@ -69,3 +70,27 @@ def test_unparseable_requests_get_invalid_request_with_an_id_and_nothing_interna
     error = resp.json()["error"]
     assert resp.status_code == 400 and error.startswith("invalid request: ") and message in error, error
     assert re.search(r"\(request id req-\d+\)$", error) and not LEAKS.search(error), error
+
+
+def test_a_big_prompt_being_tokenized_does_not_stall_a_running_stream(server: Served) -> None:
+    """Each 500 KiB prompt takes ~0.5-1 s to tokenize before it is refused as too long. Tokenized on the
+    engine thread, it would hold every stream for that long; on the tokenizer thread the stream goes on."""
+    from tritium.client.bench_interference import big_prompt
+
+    prompts = [big_prompt(500, salt) for salt in range(3)]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(grpc_stream, server.grpc, PROMPT, {"max_tokens": 400, "temperature": 0,
+                                                                 "ignore_eos": True})
+        assert wait_for(lambda: metric_value(server, "tritium_num_requests_running") >= 1, 60)
+        windows = []
+        for prompt in prompts:
+            started = time.monotonic()
+            resp = http_generate(server.http, {"text_input": prompt, "max_tokens": 4})
+            windows.append((started, time.monotonic()))
+            assert resp.status_code == 400 and "the model's context is 8192 tokens" in resp.json()["error"]
+        stream = running.result(300)
+    assert stream.finals == 1 and not stream.errors
+    for started, ended in windows:
+        arrivals = [t for t in stream.times if started <= t <= ended]
+        gaps = [b - a for a, b in zip([started, *arrivals], [*arrivals, ended], strict=True)]
+        assert len(arrivals) >= 2 and max(gaps) < 0.5 * (ended - started), (ended - started, max(gaps))
