@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from types import ModuleType
+from dataclasses import dataclass, field
 
 import torch
+
+from tritium.kernels.interface import KernelOps
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -33,15 +34,51 @@ class AttentionMetadata:
     prefill_max_query_len: int = 0  # longest query run among the prefill sequences
 
 
-class AttentionBackend:
-    """Kernel entry points for one implementation (a module with the interface in docs/architecture.md)."""
+@dataclass
+class StepLayout:
+    """Where one step's packed tokens go, as plain lists (the model runner's side): decode sequences first,
+    then prefill chunks."""
 
-    def __init__(self, name: str, ops: ModuleType) -> None:
+    slot_mapping: list[int] = field(default_factory=list)
+    decode_block_tables: list[list[int]] = field(default_factory=list)
+    decode_seq_lens: list[int] = field(default_factory=list)
+    prefill_block_tables: list[list[int]] = field(default_factory=list)
+    prefill_query_lens: list[int] = field(default_factory=list)
+    prefill_seq_lens: list[int] = field(default_factory=list)
+
+
+def _block_table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+class AttentionBackend:
+    """Kernel entry points for one implementation of `KernelOps` (kernels/interface.py), and the metadata
+    layout those kernels read."""
+
+    def __init__(self, name: str, ops: KernelOps) -> None:
         self.name = name
         self.ops = ops
         self.rms_norm = ops.rms_norm
         self.rotary_embedding = ops.rotary_embedding
         self.silu_and_mul = ops.silu_and_mul
+
+    def build_metadata(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
+        """The kernels' view of a step: block tables padded to a rectangle, cumulative query lengths."""
+        cu_seqlens = [0]
+        for n in layout.prefill_query_lens:
+            cu_seqlens.append(cu_seqlens[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.int64, device=device),
+            num_decode_tokens=len(layout.decode_seq_lens),
+            decode_block_tables=_block_table_tensor(layout.decode_block_tables, device),
+            decode_seq_lens=torch.tensor(layout.decode_seq_lens, dtype=torch.int32, device=device),
+            prefill_block_tables=_block_table_tensor(layout.prefill_block_tables, device),
+            prefill_cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+            prefill_seq_lens=torch.tensor(layout.prefill_seq_lens, dtype=torch.int32, device=device),
+            prefill_max_query_len=max(layout.prefill_query_lens, default=0),
+        )
 
     def attention(
         self,
@@ -93,7 +130,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     resolved = resolve_backend_name(name, device)
     if resolved == "triton":
         try:
-            from tritium.kernels import triton_ops  # type: ignore[attr-defined]
+            from tritium.kernels import triton_ops
         except ImportError as exc:
             raise ValueError("the triton attention backend is not available in this build") from exc
         return AttentionBackend("triton", triton_ops)

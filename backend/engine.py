@@ -12,7 +12,6 @@ import torch
 from tritium.backend.attention import get_attention_backend, resolve_backend_name
 from tritium.backend.block_manager import BlockManager
 from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
-from tritium.backend.detokenizer import IncrementalDetokenizer
 from tritium.backend.fault_injection import FaultInjector
 from tritium.backend.memory_budget import (
     check_fits_one_sequence,
@@ -25,10 +24,12 @@ from tritium.backend.model_runner import ModelRunner, kv_bytes_per_block
 from tritium.backend.models.config import ModelConfig, check_attention_backend
 from tritium.backend.models.loader import load_model
 from tritium.backend.models.registry import resolve_model
-from tritium.backend.sampler import Sampler
+from tritium.backend.output_processor import OutputProcessor
+from tritium.backend.sampler import Sampler, SamplerOutput
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.scheduler import Scheduler
+from tritium.backend.scheduler import Scheduler, SchedulerOutput
 from tritium.backend.sequence import Sequence
+from tritium.backend.stop_checker import StopChecker
 from tritium.backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    """Cumulative timings: `model_s` is the forward pass, the rest of `step_s` is Python overhead
-    (scheduling, packing, sampling, detokenizing)."""
+    """Cumulative timings of `LLMEngine.step`: `step_s` = scheduling + `model_s` + `update_s`."""
 
     steps: int = 0
     step_s: float = 0.0
-    model_s: float = 0.0
+    model_s: float = 0.0  # the forward pass and sampling
+    update_s: float = 0.0  # the scheduler's bookkeeping, detokenizing, building outputs
     scheduled_tokens: int = 0
+    running_seqs: int = 0  # summed over steps: divided by steps, the mean batch size
 
     @property
     def overhead_s(self) -> float:
@@ -66,11 +68,13 @@ class LLMEngine:
         num_blocks = self._num_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype, self.device)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
-        )
         self.eos_token_ids = list(model.config.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            StopChecker(self.eos_token_ids),
+        )
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = count()
@@ -129,13 +133,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params)
-        max_tokens = params.max_tokens
-        detok = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
-        seq = Sequence(request_id, prompt, ids, params, detok, next(self._arrivals), max_tokens=max_tokens)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(request_id, prompt, ids, params, next(self._arrivals), max_tokens=params.max_tokens)
+        self.outputs.add(seq)
+        self.sampler.add_request(request_id, params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -174,101 +174,81 @@ class LLMEngine:
             return
         self._finish(seq, "abort")
         try:
-            self._pending.append(self._output(seq))
+            self._pending.append(self.outputs.output(seq))
         except Exception:
             logger.exception("building the abort output of %s failed", request_id)
-            self._pending.append(self._error_output(seq, "aborted", reason="abort"))
+            self._pending.append(self.outputs.error_output(seq, "aborted", reason="abort"))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and return an output for every request that changed."""
+        """One step: schedule -> execute (forward pass and sampling) -> update (the scheduler's bookkeeping,
+        then text and outputs). Returns an output for every request that changed: delta-only, the final
+        one with the totals."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
             return outputs
         t_model = time.perf_counter()
-        try:
-            self.faults.check(s.seq.prompt for s in sched.scheduled)
-            logits = self.runner.run(sched.scheduled)
-        except Exception:  # fail only the requests of this step; the engine goes on
-            logger.exception("model step failed for %s", [s.seq.request_id for s in sched.scheduled])
-            for s in sched.scheduled:
+        sampled = self._execute(batch)
+        t_update = time.perf_counter()
+        if sampled is None:  # the forward pass failed: fail only the requests of this step; the engine goes on
+            for s in batch.scheduled:
                 self._finish(s.seq, "error")
-                outputs.append(self._error_output(s.seq, "the model step failed"))
+                outputs.append(self.outputs.error_output(s.seq, "the model step failed"))
             return outputs
-        model_s = time.perf_counter() - t_model
-        sampling = [s.seq for s in sched.scheduled if s.samples]
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit_full_blocks(s.seq)
-        if sampling:
-            sampled = self.sampler(logits, sampling)
-            for seq, token, lp, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors,
-                                             strict=True):
-                outputs.append(self._advance(seq, token, lp, error))
-        self.stats.steps += 1
-        self.stats.model_s += model_s
-        self.stats.scheduled_tokens += sched.num_tokens
-        self.stats.step_s += time.perf_counter() - t0
+        self.scheduler.update(batch, sampled.token_ids)
+        for seq, token, logprobs, error in zip(batch.sampling, sampled.token_ids, sampled.logprobs,
+                                               sampled.errors, strict=True):
+            outputs.append(self._process(seq, token, logprobs, error))
+        stats = self.stats
+        stats.steps += 1
+        stats.model_s += t_update - t_model
+        stats.scheduled_tokens += batch.num_tokens
+        stats.running_seqs += len(batch.scheduled)
+        now = time.perf_counter()
+        stats.update_s += now - t_update
+        stats.step_s += now - t0
         return outputs
 
-    def _advance(self, seq: Sequence, token: int | None, logprobs: dict[int, float] | None,
+    def _execute(self, batch: SchedulerOutput) -> SamplerOutput | None:
+        """The forward pass and sampling; None when the forward pass failed (logged)."""
+        try:
+            self.faults.check(s.seq.prompt for s in batch.scheduled)
+            logits = self.runner.run(batch.scheduled)
+        except Exception:
+            logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
+            return None
+        if not batch.sampling:
+            return SamplerOutput([], [], [])
+        return self.sampler(logits, batch.sampling)
+
+    def _process(self, seq: Sequence, token: int | None, logprobs: dict[int, float] | None,
                  error: str | None) -> RequestOutput:
-        """Append a sampled token and build the request's output; whatever fails here (stop checks,
-        detokenizing) ends this request alone with an error."""
+        """The output of a sequence that sampled (the scheduler already appended `token`): text, stop strings;
+        whatever fails here ends this request alone with an error."""
         if error is None and token is not None:
             try:
-                self._append_token(seq, token, logprobs)
-                return self._output(seq)
+                if self.outputs.append_token(seq, token, logprobs) and not seq.finished:
+                    self._finish(seq, "stop")
+                elif seq.finished:
+                    self._forget(seq)
+                return self.outputs.output(seq)
             except Exception:
                 logger.exception("processing the output of %s failed", seq.request_id)
                 error = "internal error while processing the generated token"
         if not seq.finished:
             self._finish(seq, "error")
-        return self._error_output(seq, error or "no token was sampled")
-
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        seq.token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        p = seq.params
-        hit_stop_string = seq.detokenizer.add_token(token)
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or hit_stop_string:
-            self._finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.max_tokens:
-            seq.detokenizer.flush()
-            self._finish(seq, "length")
+        else:
+            self._forget(seq)
+        return self.outputs.error_output(seq, error or "no token was sampled")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
-
-    def _error_output(self, seq: Sequence, error: str, reason: str = "error") -> RequestOutput:
-        """A final output that touches nothing that may have failed (the detokenizer, the logprobs)."""
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, text="",
-            token_ids=seq.output_token_ids, delta_text="", delta_token_ids=[], finished=True, finish_reason=reason,
-            num_input_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens, error=error,
-        )
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        delta = seq.detokenizer.take_delta(seq.finished)
-        new_ids = seq.output_token_ids[seq.num_sent_tokens :]
-        seq.num_sent_tokens = seq.num_output_tokens
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=seq.detokenizer.text if seq.finished else seq.detokenizer.text[: seq.detokenizer.emitted],
-            token_ids=seq.output_token_ids,
-            delta_text=delta,
-            delta_token_ids=new_ids,
-            finished=seq.finished,
-            finish_reason=seq.finish_reason,
-            num_input_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-        )
+        self.sampler.remove_request(seq.request_id)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritium.backend.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.attention import AttentionBackend, AttentionMetadata, StepLayout
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.scheduler import ScheduledSequence
 
@@ -23,12 +23,6 @@ class PreparedBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # row of each sampling sequence's last token, in scheduled order
-
-
-def _block_table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width)
 
 
 class ModelRunner:
@@ -55,44 +49,42 @@ class ModelRunner:
     def prepare(self, batch: list[ScheduledSequence]) -> PreparedBatch:
         """Pack the step: decode rows (one new token) first, then prefill chunks."""
         bs = self.block_size
-        decodes = [s for s in batch if s.num_new_tokens == 1]
-        prefills = [s for s in batch if s.num_new_tokens != 1]
+        layout = StepLayout()
+        slots = layout.slot_mapping
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        last_row: dict[int, int] = {}
-        cu_seqlens = [0]
-        for s in decodes + prefills:
+        decode_rows: dict[int, int] = {}
+        for s in batch:  # decode rows: one token at position num_computed_tokens
+            if s.num_new_tokens != 1:
+                continue
+            seq = s.seq
+            pos = seq.num_computed_tokens
+            decode_rows[id(s)] = len(input_ids)
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            layout.decode_block_tables.append(seq.block_table)
+            layout.decode_seq_lens.append(pos + 1)
+        last_row = decode_rows
+        for s in batch:
+            if s.num_new_tokens == 1:
+                continue
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
-            pos = range(start, end)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[id(s)] = len(input_ids) - 1
-            if s.num_new_tokens != 1:
-                cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
+            layout.prefill_block_tables.append(table)
+            layout.prefill_query_lens.append(s.num_new_tokens)
+            layout.prefill_seq_lens.append(end)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=_block_table_tensor([s.seq.block_table for s in decodes], dev),
-            decode_seq_lens=torch.tensor(
-                [s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int32, device=dev
-            ),
-            prefill_block_tables=_block_table_tensor([s.seq.block_table for s in prefills], dev),
-            prefill_cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor(
-                [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], dtype=torch.int32, device=dev
-            ),
-            prefill_max_query_len=max((s.num_new_tokens for s in prefills), default=0),
-        )
         rows = [last_row[id(s)] for s in batch if s.samples]
         return PreparedBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
+            meta=self.backend.build_metadata(layout, dev),
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
         )
 

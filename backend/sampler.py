@@ -3,7 +3,7 @@
 Order: logprobs of the raw distribution (when asked), penalties, min_tokens masking, then greedy
 argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling draws exponential noise E and
 takes argmax(p / E), which samples from p; a seeded request draws its noise from its own generator
-so its text does not depend on what else is in the batch.
+so its text does not depend on what else is in the batch (the sampler keeps those generators by request id).
 """
 
 from __future__ import annotations
@@ -64,6 +64,25 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def row_max(logits: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits.max(dim=-1)` (values, first index of the maximum; NaN wins, as there), about 3x faster for a
+    batch on a CPU: `amax` over chunks is vectorized where `max` with indices is not."""
+    rows, vocab = logits.shape
+    main = vocab - vocab % chunk
+    if rows < 4 or main == 0:
+        values, indices = logits.max(dim=-1)
+        return values, indices
+    blocks = logits[:, :main].view(rows, main // chunk, chunk)
+    best, block = blocks.amax(dim=-1).max(dim=-1)
+    tokens = blocks[torch.arange(rows), block].argmax(dim=-1) + block * chunk
+    if main < vocab:
+        tail_best, tail_token = logits[:, main:].max(dim=-1)
+        better = (tail_best > best) | (tail_best.isnan() & ~best.isnan())
+        best = torch.where(better, tail_best, best)
+        tokens = torch.where(better, tail_token + main, tokens)
+    return best, tokens
+
+
 def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -74,21 +93,30 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own
+
+    def add_request(self, request_id: str, seed: int | None) -> None:
+        if seed is not None:
+            self.generators[request_id] = torch.Generator().manual_seed(seed)
+
+    def remove_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """`logits` `[len(seqs), vocab]` fp32 on CPU; one token per sequence. Sampled as one batch; if
         that raises, each sequence is sampled alone (seeded generators rewound first), so a sequence whose
         own sampling fails gets an error and every other one the token it would have got anyway."""
-        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        gens = [self.generators.get(s.request_id) for s in seqs]
+        states = [g.get_state() if g is not None else None for g in gens]
         try:
             return self._sample_batch(logits, seqs)
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling each sequence alone", len(seqs))
         out = SamplerOutput([], [], [])
-        for row, (seq, state) in enumerate(zip(seqs, states, strict=True)):
-            if state is not None:
-                seq.generator.set_state(state)
+        for row, (seq, gen, state) in enumerate(zip(seqs, gens, states, strict=True)):
+            if gen is not None and state is not None:
+                gen.set_state(state)
             try:
                 one = self._sample_batch(logits[row : row + 1], [seq])
             except Exception:
@@ -117,7 +145,7 @@ class Sampler:
                     logits[row, banned] = float("-inf")
         # The row maximum is NaN if any logit is (max propagates NaN), +inf for a broken row and -inf when
         # every token is banned: a row whose maximum is not finite has no token to give.
-        best, tokens = logits.max(dim=-1)
+        best, tokens = row_max(logits)
         samplable = torch.isfinite(best)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
@@ -155,11 +183,12 @@ class Sampler:
             logits = filter_min_p(logits, min_p)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        gens = [self.generators.get(s.request_id) for s in seqs]
+        unseeded = [i for i, g in enumerate(gens) if g is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_(generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
+        for i, g in enumerate(gens):
+            if g is not None:
+                noise[i].exponential_(generator=g)
         # A zero draw would turn a zero probability into NaN, which argmax picks.
         return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)

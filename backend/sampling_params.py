@@ -1,9 +1,17 @@
-"""Per-request sampling settings, validated before a request touches the engine."""
+"""Per-request sampling settings, validated before a request touches the engine.
+
+The fields of `SamplingParams` are the one declaration of what a request may ask for: each field's type and
+its bounds (`ge`/`gt`/`le` in the field's metadata) drive the validation here, the Triton request parsers'
+coercion (`serving/request.py`, `serving/ids_model.py`) and the OpenAI request models' constraints
+(`client/openai_protocol.py`). `SAMPLING_FIELDS` describes them.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
@@ -15,6 +23,11 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # keep penalized logits finite
 
 
+def _bounds(ge: float | None = None, gt: float | None = None, le: float | None = None) -> dict[str, float]:
+    """A field's bounds, kept in its metadata (the names pydantic's Field takes)."""
+    return {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Field names and defaults follow vLLM.
@@ -24,23 +37,25 @@ class SamplingParams:
     in [0.01, 100] so that penalized logits stay finite.
     `logprobs=n` returns the sampled token's logprob and the n most likely (raw model distribution).
     Construction raises ValueError naming the field and the rule when a value is invalid.
+    A new field needs only its type and bounds here: the parsers and the validation follow from them.
     """
 
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    max_tokens: int = field(default=16, metadata=_bounds(ge=1))
+    min_tokens: int = field(default=0, metadata=_bounds(ge=0))
+    temperature: float = field(default=1.0, metadata=_bounds(ge=0.0, le=MAX_TEMPERATURE))
+    top_p: float = field(default=1.0, metadata=_bounds(gt=0.0, le=1.0))
+    top_k: int = field(default=-1, metadata=_bounds(ge=-1))
+    min_p: float = field(default=0.0, metadata=_bounds(ge=0.0, le=1.0))
+    repetition_penalty: float = field(default=1.0, metadata=_bounds(ge=MIN_REPETITION_PENALTY,
+                                                                    le=MAX_REPETITION_PENALTY))
+    presence_penalty: float = field(default=0.0, metadata=_bounds(ge=-2.0, le=2.0))
+    frequency_penalty: float = field(default=0.0, metadata=_bounds(ge=-2.0, le=2.0))
+    seed: int | None = field(default=None, metadata=_bounds(ge=0, le=MAX_SEED))
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = field(default=None, metadata=_bounds(ge=0, le=MAX_LOGPROBS))
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -72,22 +87,19 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def _validate(self) -> None:
-        _int(self, "max_tokens", minimum=1)
-        _int(self, "min_tokens", minimum=0)
+        for spec in SAMPLING_FIELDS.values():  # types and bounds, in declaration order
+            value = getattr(self, spec.name)
+            if spec.optional and value is None:
+                continue
+            if spec.type is int:
+                _int(self, spec.name, minimum=spec.bounds.get("ge"), maximum=spec.bounds.get("le"))
+            elif spec.type is float:
+                _float(self, spec.name, lo=spec.bounds.get("ge", spec.bounds.get("gt")), hi=spec.bounds.get("le"),
+                       lo_open="gt" in spec.bounds, rule=spec.rule)
+            elif spec.type is bool and not isinstance(value, bool):
+                raise ValueError(f"{spec.name} must be a boolean, got {value!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _float(self, "temperature", lo=0.0, hi=MAX_TEMPERATURE, rule=f"in [0, {MAX_TEMPERATURE:g}]")
-        _float(self, "top_p", lo=0.0, hi=1.0, lo_open=True, rule="in (0, 1]")
-        _int(self, "top_k", minimum=-1)
-        _float(self, "min_p", lo=0.0, hi=1.0, rule="in [0, 1]")
-        _float(self, "repetition_penalty", lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY,
-               rule=f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
-        _float(self, "presence_penalty", lo=-2.0, hi=2.0, rule="in [-2, 2]")
-        _float(self, "frequency_penalty", lo=-2.0, hi=2.0, rule="in [-2, 2]")
-        if self.seed is not None:
-            _int(self, "seed", minimum=0, maximum=MAX_SEED)
-        if self.logprobs is not None:
-            _int(self, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -96,9 +108,56 @@ class SamplingParams:
             raise ValueError(f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class SamplingField:
+    """One field of SamplingParams as the parsers see it."""
+
+    name: str
+    type: type  # int, float, bool, str or list
+    item: type | None  # a list's element type
+    optional: bool  # None is allowed (and means "not set")
+    default: Any
+    bounds: dict[str, float]  # ge / gt / le
+
+    @property
+    def rule(self) -> str:
+        """The bounds in words, as error messages say them: "in (0, 1]", ">= 1", "a finite number"."""
+        lo_key = "gt" if "gt" in self.bounds else "ge"
+        lo, hi = self.bounds.get(lo_key), self.bounds.get("le")
+        if lo is not None and hi is not None:
+            return f"in {'(' if lo_key == 'gt' else '['}{_num(lo)}, {_num(hi)}]"
+        if lo is not None:
+            return f"{'>' if lo_key == 'gt' else '>='} {_num(lo)}"
+        return f"<= {_num(hi)}" if hi is not None else "a finite number"
+
+
+def _num(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _describe(cls: type) -> dict[str, SamplingField]:
+    hints = typing.get_type_hints(cls)
+    described = {}
+    for f in fields(cls):
+        hint, optional = hints[f.name], False
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+            members = [a for a in typing.get_args(hint) if a is not type(None)]
+            optional = len(members) < len(typing.get_args(hint))
+            if len(members) != 1:
+                raise TypeError(f"SamplingParams.{f.name}: a union of several types ({hint}) cannot be parsed")
+            hint = members[0]
+        origin = typing.get_origin(hint) or hint
+        item = typing.get_args(hint)[0] if origin is list else None
+        if origin not in (int, float, bool, str, list):
+            raise TypeError(f"SamplingParams.{f.name}: the parsers know int, float, bool, str and list, not {hint}")
+        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        described[f.name] = SamplingField(f.name, origin, item, optional, default, dict(f.metadata))
+    return described
+
+
+SAMPLING_FIELDS: dict[str, SamplingField] = _describe(SamplingParams)
 
 
 def _int(p: SamplingParams, name: str, minimum: int | None = None, maximum: int | None = None) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tritium.backend.block_manager import BlockManager
 from tritium.backend.sequence import Sequence, SequenceStatus
+from tritium.backend.stop_checker import StopChecker
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    sampling: list[Sequence] = field(default_factory=list)  # the scheduled sequences that sample a token
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +46,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        stop_checker: StopChecker | None = None,
     ) -> None:
         self.blocks = block_manager
+        self.stop_checker = stop_checker or StopChecker([])
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -79,7 +83,7 @@ class Scheduler:
                 continue
             break
         if out.preempted:
-            return out
+            return self._with_sampling(out)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0:
@@ -100,7 +104,27 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+        return self._with_sampling(out)
+
+    @staticmethod
+    def _with_sampling(out: SchedulerOutput) -> SchedulerOutput:
+        out.sampling = [s.seq for s in out.scheduled if s.samples]
         return out
+
+    def update(self, out: SchedulerOutput, tokens: list[int | None]) -> None:
+        """After the forward pass of `out`: count the computed tokens and commit the blocks they filled;
+        append each sampled token (`tokens` is aligned with `out.sampling`; None: that sequence got no
+        token, the engine ends it) and finish the sequences the stop checker stops."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.blocks.commit_full_blocks(s.seq)
+        for seq, token in zip(out.sampling, tokens, strict=True):
+            if token is None or seq.finished:
+                continue
+            seq.token_ids.append(token)
+            reason = self.stop_checker.check(seq)
+            if reason is not None:
+                self.finish(seq, reason)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)

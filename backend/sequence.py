@@ -1,13 +1,10 @@
-"""The engine's state for one request."""
+"""The scheduler's state for one request: its tokens, how many have K/V in the cache, its blocks."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
-from tritium.backend.detokenizer import IncrementalDetokenizer
 from tritium.backend.sampling_params import SamplingParams
 
 
@@ -19,14 +16,14 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """Token ids (prompt then output), how many of them have K/V in the cache, and the blocks
-    holding them. `num_computed_tokens` goes back to 0 when the sequence is preempted."""
+    """Token ids (prompt then output), how many of them have K/V in the cache, and the blocks holding them.
+    `num_computed_tokens` goes back to 0 when the sequence is preempted. Text, logprobs and random
+    generators live elsewhere (output_processor.py, sampler.py)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
     arrival: int
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -35,19 +32,13 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    max_tokens: int = 0  # params.max_tokens capped by the model's context
-    generator: torch.Generator | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    max_tokens: int = 0  # params.max_tokens
     num_preemptions: int = 0
-    num_sent_tokens: int = 0  # output tokens already reported in a RequestOutput
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -55,11 +46,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy: the generated tokens."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:

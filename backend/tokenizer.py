@@ -70,6 +70,11 @@ class Tokenizer:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    @property
+    def hf(self) -> HFTokenizer:
+        """The tokenizers library's own tokenizer (for its incremental `DecodeStream`)."""
+        return self._tok
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,10 @@ if TYPE_CHECKING:
     from tritium.client.triton_server import ServerOptions, TritonServer
 
 HEALTH_POLL_S = 1.0  # how often `serve` reads tritium_engine_healthy from the metrics port
+# The request `serve` prints for a newcomer to copy: a question the default (instruct) model answers in a
+# sentence, through its chat template (a bare question makes it end at once). tests/test_server.py sends it.
+EXAMPLE_REQUEST = {"text_input": "What is the capital of France?", "apply_chat_template": True, "max_tokens": 32,
+                   "temperature": 0}
 
 
 def default_repository() -> Path:
@@ -201,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"tritium is serving\n  HTTP:    {server.http_url}\n  gRPC:    {server.grpc_url}\n"
         f"  metrics: {server.metrics_url}\n  auth:    {_serve_auth(options)}\n\n"
         f"try:\n  curl -s{key_header} {server.http_url}/v2/models/tritium/generate \\\n"
-        "    -d '{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, \"temperature\": 0}'\n"
+        f"    -d '{json.dumps(EXAMPLE_REQUEST)}'\n"
         "Ctrl-C stops the server.",
         flush=True,
     )
@@ -228,11 +233,13 @@ def cmd_bench_interference(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_server(args: argparse.Namespace) -> int:
-    from tritium.client.bench_server import run_server_benchmark
+def cmd_bench_overhead(args: argparse.Namespace) -> int:
+    from tritium.client.bench_overhead import has_errors, run_overhead_benchmark
 
-    run_server_benchmark(num_requests=args.num_requests, output_len=args.output_len, out_dir=args.out_dir)
-    return 0
+    report = run_overhead_benchmark(out_dir=args.out_dir, quick=args.quick, skip_tiny=args.skip_tiny,
+                                    skip_default=args.skip_default, tiny_model=args.tiny_model,
+                                    num_requests=args.num_requests, output_len=args.output_len)
+    return 1 if has_errors(report) else 0
 
 
 def cmd_openai(args: argparse.Namespace) -> int:
@@ -321,11 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, to test the script")
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_kernels)
-    p = bench.add_parser("server", help="in-process engine vs the same workload through tritonserver (gRPC)")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
+    p = bench.add_parser("overhead", help="served / in-process ratios (throughput, ITL) on the tiny and default models")
     p.add_argument("--out-dir", default="bench_results")
-    p.set_defaults(func=cmd_bench_server)
+    p.add_argument("--quick", action="store_true", help="few requests, short outputs: checks the script itself")
+    p.add_argument("--skip-tiny", action="store_true", help="leave out the tiny-model scenarios")
+    p.add_argument("--skip-default", action="store_true", help="leave out the default-model scenarios")
+    p.add_argument("--tiny-model", default=None, help="an existing tiny checkpoint folder (else one is written)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests in every scenario (default: per scenario)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 128)")
+    p.set_defaults(func=cmd_bench_overhead)
     p = bench.add_parser("serve", help="TTFT / ITL / throughput against a running server (genai-perf metrics)")
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port (triton) or base URL .../v1 (openai)")
     p.add_argument("--backend", choices=["triton", "openai"], default="triton")

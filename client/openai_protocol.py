@@ -1,4 +1,10 @@
-"""OpenAI API request bodies (the fields tritium honours) and OpenAI-shaped errors."""
+"""OpenAI API request bodies (the fields tritium honours) and OpenAI-shaped errors.
+
+The sampling fields follow SamplingParams: the vLLM-style extensions (`VLLM_EXTRA_FIELDS`) are generated
+from its declared fields (type, default, bounds); OpenAI's own fields take their bounds from it too, except
+where OpenAI's rule is stricter (temperature at most 2). tests/test_serving_units.py checks that whatever
+these models accept, SamplingParams accepts.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,12 @@ import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from tritium.backend.sampling_params import MAX_SEED as MAX_SEED  # re-exported for openai_server
+from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingField
 
 MAX_N = 16
-MAX_SEED = 2**63 - 1
 MAX_CHOICES = 32  # prompts x n in one request: at most half the seats (max_num_seqs 64) of a replica
 MAX_PROMPTS = MAX_CHOICES
 MAX_REQUEST_TOKENS = 65536  # choices x max_tokens in one request
@@ -32,22 +40,46 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+# SamplingParams fields beyond OpenAI's that the endpoint accepts under their own names, as vLLM does.
+# Adding a name here is all it takes: the field, its type and its bounds come from SamplingParams.
+VLLM_EXTRA_FIELDS = ("ignore_eos", "min_tokens")
+
+
+def engine_field(name: str, **overrides: Any) -> Any:
+    """A pydantic Field with the SamplingParams field's default and bounds, `overrides` where OpenAI's
+    own rule differs."""
+    spec = SAMPLING_FIELDS[name]
+    return Field(**({"default": spec.default} | spec.bounds | overrides))
+
+
+def _annotation(spec: SamplingField) -> Any:
+    kind: Any = list[spec.item] if spec.type is list and spec.item is not None else spec.type
+    return kind | None if spec.optional else kind
+
+
+class _RequestBody(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+VllmExtraFields: type[BaseModel] = create_model(
+    "VllmExtraFields", __base__=_RequestBody,
+    **{name: (_annotation(SAMPLING_FIELDS[name]), engine_field(name)) for name in VLLM_EXTRA_FIELDS},
+)
+
+
+class SamplingFields(VllmExtraFields):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = engine_field("max_tokens", default=None)  # None: the endpoint's default
+    temperature: float = engine_field("temperature", le=2.0)  # OpenAI's limit (the engine takes up to 100)
+    top_p: float = engine_field("top_p")
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = engine_field("seed")
+    presence_penalty: float = engine_field("presence_penalty")
+    frequency_penalty: float = engine_field("frequency_penalty")
     user: str | None = None
-    ignore_eos: bool = False  # extensions vLLM also accepts
-    min_tokens: int = Field(default=0, ge=0)
 
     _check_utf8 = field_validator("model", "stop", "user")(_utf8)
 
@@ -62,16 +94,15 @@ class SamplingFields(BaseModel):
             out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.seed is not None:
             out["seed"] = self.seed
-        if self.ignore_eos:
-            out["ignore_eos"] = True
-        if self.min_tokens:
-            out["min_tokens"] = self.min_tokens
+        for name in VLLM_EXTRA_FIELDS:  # sent only when set, as the engine's defaults are theirs
+            if (value := getattr(self, name)) != SAMPLING_FIELDS[name].default:
+                out[name] = value
         return out
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = engine_field("logprobs")
     echo: bool = False
 
     _check_prompt_utf8 = field_validator("prompt")(_utf8)
@@ -89,7 +120,7 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = engine_field("logprobs")  # sent as the engine's logprobs
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from tritium.backend.block_manager import BlockManager
-from tritium.backend.detokenizer import IncrementalDetokenizer
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.sequence import Sequence
 
 
-class NullDecoder:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return ""
-
-
 def seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(rid, None, tokens, SamplingParams(), IncrementalDetokenizer(NullDecoder(), tokens), 0)
+    return Sequence(rid, None, tokens, SamplingParams(), 0)
 
 
 def compute_all(bm: BlockManager, s: Sequence) -> None:

@@ -102,8 +102,7 @@ def test_a_failing_detokenizer_fails_only_its_request(engine: LLMEngine, solo: l
     def add_request(rid: str, *args: Any, **kwargs: Any) -> None:
         real_add(rid, *args, **kwargs)
         if rid == "odd":
-            seq = engine.requests[rid]
-            monkeypatch.setattr(seq.detokenizer, "add_token", lambda token: 1 / 0)
+            monkeypatch.setattr(engine.outputs.states[rid].detokenizer, "add_token", lambda token: 1 / 0)
 
     monkeypatch.setattr(engine, "add_request", add_request)
     odd = beside_bystander(engine, solo, SamplingParams(max_tokens=4))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritium.backend.sampler import Sampler
+from tritium.backend.sampler import Sampler, row_max
 from tritium.backend.sampling_params import SamplingParams
 
 from test_block_manager import seq
@@ -77,7 +77,8 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
         for i in range(batch_size):
             s = seq([1], f"r{i}")
             s.params = SamplingParams(seed=42 if i == row else None)
-            s.generator = torch.Generator().manual_seed(42) if i == row else None
+            sampler.remove_request(s.request_id)
+            sampler.add_request(s.request_id, s.params.seed)
             seqs.append(s)
         return sampler(logits.repeat(batch_size, 1), seqs).token_ids[row]
 
@@ -128,3 +129,18 @@ def test_unknown_field_is_rejected() -> None:
 def test_from_dict_accepts_or_raises_value_error(values: dict[str, object]) -> None:
     with contextlib.suppress(ValueError):
         SamplingParams.from_dict(values)
+
+
+@pytest.mark.parametrize("vocab", [49152, 49157, 300])
+def test_row_max_is_max_with_its_first_index(vocab: int) -> None:
+    logits = torch.randn(16, vocab)
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 100] = float("inf")
+    logits[4, :10] = 50.0  # ties: the first index
+    logits[5, vocab - 1] = 99.0  # in the tail past the last whole chunk
+    logits[6, vocab - 2] = float("nan")
+    expected = logits.max(dim=-1)
+    values, indices = row_max(logits)
+    assert torch.equal(indices, expected.indices)
+    assert torch.equal(values.nan_to_num(), expected.values.nan_to_num())

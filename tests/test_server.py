@@ -72,6 +72,19 @@ def test_non_streaming_returns_one_response_with_the_whole_text(server: Served, 
     assert resp.json()["text_output"] == expected
 
 
+def test_the_example_serve_prints_gets_an_answer(server: Served) -> None:
+    """The first request a newcomer copies: a question through the chat template, answered in a sentence (a
+    bare question makes the instruct model end at once, echoing the prompt)."""
+    from tritium.client.cli import EXAMPLE_REQUEST
+
+    resp = http_generate(server.http, EXAMPLE_REQUEST)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()["text_output"]
+    assert "Paris" in answer and "What is" not in answer, answer  # the answer alone, not the question
+    echoed = http_generate(server.http, EXAMPLE_REQUEST | {"exclude_input_in_output": False}).json()["text_output"]
+    assert echoed.startswith("<|im_start|>") and echoed.endswith(answer)
+
+
 def test_genai_perf_style_sampling_parameters(server: Served, local: LLM) -> None:
     sampling = json.dumps({"max_tokens": "16", "temperature": "0"})
     resp = http_generate(server.http, {"text_input": PROMPT, "sampling_parameters": sampling,

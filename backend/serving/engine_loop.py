@@ -3,7 +3,10 @@
 `execute()` (Triton's thread) only parses and calls `submit`, which refuses at once when the engine has
 failed or too many requests wait (admission control). A tokenizer thread turns prompt text into token ids,
 so that a large prompt never stalls running streams. The engine thread owns the engine: it admits jobs,
-polls cancellation, steps, and hands every output to the job's sink.
+aborts what the response thread asks it to, steps, and puts the outputs in the outbox. The response thread
+owns every call into the server for jobs the engine holds (sending, `is_cancelled`) and the metrics: each
+sweep it takes the outbox and sends at most one response per request, merging what a request accumulated
+while the previous sweep ran (adaptive coalescing: one response per token while it keeps up).
 
 Every job ends with exactly one final delivery: its last output or an error. What fails for one request
 (parsing, tokenizing, admission, formatting its output) fails only that request. An exception that escapes
@@ -33,7 +36,10 @@ from tritium.backend.tokenizer import TOKENIZER_NICE
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
-CANCEL_POLL_S = 0.1  # is_cancelled() is a round trip to the server: ask at most this often
+# is_cancelled() is a round trip to the server: at most this many per second, round robin over the requests,
+# and no request more often than every CANCEL_MIN_INTERVAL_S.
+CANCEL_CHECKS_PER_S = 50
+CANCEL_MIN_INTERVAL_S = 0.1
 
 
 class ErrorKind(enum.Enum):
@@ -75,30 +81,62 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    next_cancel_check: float = 0.0
+    num_responses: int = 0  # responses sent (the response thread's)
+    closed: bool = False  # its final response (or error) went out: nothing more is sent
+
+
+@dataclass(eq=False)
+class Delivery:
+    """What the response thread has to send for one job: an output (deltas merged when several steps'
+    outputs wait) or a final error."""
+
+    job: Job
+    output: RequestOutput | None = None
+    error: tuple[str, ErrorKind] | None = None
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output saying what `older` and then `newer` said (deltas joined; totals and state from `newer`)."""
+    newer.delta_text = older.delta_text + newer.delta_text
+    newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
+    if older.delta_logprobs is not None:
+        newer.delta_logprobs = older.delta_logprobs + (newer.delta_logprobs or [])
+    return newer
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, observer: LoopObserver | None = None,
-                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> None:
+                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
         self.observer = observer
         self.max_pending_requests = max_pending_requests
+        self.stream_interval = stream_interval
         self.failed = False
         self._to_tokenize: deque[Job] = deque()
         self._tokenizing = 0
         self._queue: deque[Job] = deque()
         self._admitting: deque[Job] = deque()  # taken from the queue by the engine thread, not yet admitted
-        self._active: dict[str, Job] = {}
+        self._active: dict[str, Job] = {}  # in the engine (the engine thread's)
         self._cond = threading.Condition()
         self._stopping = False
-        self._last_cancel_poll = 0.0
+        # Engine thread -> response thread: deliveries by request id; response thread -> engine thread: aborts.
+        self._outbox: dict[str, Delivery] = {}
+        self._outbox_cond = threading.Condition()
+        self._engine_done = False
+        self._to_abort: set[str] = set()
+        self._watched: dict[str, Job] = {}  # jobs whose cancellation the response thread polls
         self._trim_heap = heap_trimmer()
         self._thread = threading.Thread(target=self._run, name="tritium-engine", daemon=True)
         self._tokenizer_thread = threading.Thread(target=self._tokenize_loop, name="tritium-tokenize", daemon=True)
+        self._response_thread = threading.Thread(target=self._respond_loop, name="tritium-respond", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
         self._tokenizer_thread.start()
+        self._response_thread.start()
 
     @property
     def num_pending(self) -> int:
@@ -138,6 +176,9 @@ class EngineLoop:
         for thread in (self._thread, self._tokenizer_thread):
             if thread.ident is not None:  # started
                 thread.join(timeout)
+        self._close_outbox()
+        if self._response_thread.ident is not None:
+            self._response_thread.join(timeout)
         for job in self._take_all():
             self._fail(job, "the model is shutting down", ErrorKind.UNAVAILABLE)
 
@@ -148,6 +189,9 @@ class EngineLoop:
             self._queue.clear()
             self._admitting.clear()
             self._active.clear()
+        with self._outbox_cond:
+            jobs += [d.job for d in self._outbox.values() if d.job not in jobs]
+            self._outbox.clear()
         return jobs
 
     def _tokenize_loop(self) -> None:
@@ -182,16 +226,19 @@ class EngineLoop:
                     self._queue.append(job)
                     self._cond.notify_all()
 
+    # The engine thread.
+
     def _run(self) -> None:
         try:
             self._serve()
         except BaseException as exc:  # the engine's state is unknown now: stop serving, loudly
             self._engine_failed(exc)
+        finally:
+            self._close_outbox()
 
     def _serve(self) -> None:
         while True:
-            if not self._queue and not self._active:  # going idle: final metric values, free heap pages
-                self._observe(self.observer.on_step if self.observer else None, self.engine, time.monotonic(), True)
+            if not self._queue and not self._active:  # going idle: free heap pages
                 self._trim_heap()
             with self._cond:
                 while not self._stopping and not self._queue and not self._active:
@@ -202,8 +249,9 @@ class EngineLoop:
                 self._queue.clear()
             self.engine.faults.check_loop(job.prompt for job in self._admitting)
             self._admit()
-            self._poll_cancellations()
-            self._step()
+            self._abort_requested()
+            if self.engine.has_unfinished_requests():
+                self._post(self.engine.step())
 
     def _engine_failed(self, exc: BaseException) -> None:
         logger.critical("the engine thread failed; every request is refused until the model is reloaded",
@@ -214,11 +262,28 @@ class EngineLoop:
             self.failed = True
             self._cond.notify_all()
         self._observe(self.observer.on_engine_failed if self.observer else None)
-        for job in self._take_all():
-            self._fail(job, "the engine stopped after an internal error; this model is not serving until it is "
-                       "reloaded", ErrorKind.UNAVAILABLE)
+        error = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
+                 ErrorKind.UNAVAILABLE)
+        with self._cond:
+            engine_jobs = list(self._active.values())
+            self._active.clear()
+        with self._outbox_cond:  # the response thread owns these jobs' senders: it sends their errors
+            for job in engine_jobs:
+                self._outbox[job.request_id] = Delivery(job, error=error)
+            self._outbox_cond.notify_all()
+        for job in self._take_all_but_outbox():
+            self._fail(job, *error)
+
+    def _take_all_but_outbox(self) -> list[Job]:
+        with self._cond:
+            jobs = [*self._to_tokenize, *self._queue, *self._admitting]
+            self._to_tokenize.clear()
+            self._queue.clear()
+            self._admitting.clear()
+        return jobs
 
     def _admit(self) -> None:
+        admitted = []
         while self._admitting:
             job = self._admitting.popleft()
             try:
@@ -231,49 +296,150 @@ class EngineLoop:
                 self._fail(job, "internal error while admitting the request", ErrorKind.INTERNAL)
                 continue
             self._active[job.request_id] = job
+            admitted.append(job)
+        if admitted:
+            with self._outbox_cond:
+                for job in admitted:
+                    self._watched[job.request_id] = job
 
-    def _poll_cancellations(self) -> None:
-        now = time.monotonic()
-        if now - self._last_cancel_poll < CANCEL_POLL_S:
+    def _abort_requested(self) -> None:
+        if not self._to_abort:
             return
-        self._last_cancel_poll = now
-        for job in list(self._active.values()):
-            expired = job.deadline is not None and now > job.deadline
-            try:
-                cancelled = expired or job.sink.is_cancelled()
-            except Exception:  # the server cannot tell: the client is as good as gone
-                logger.exception("is_cancelled() failed for %s", job.request_id)
-                cancelled = True
-            if cancelled:
-                self.engine.abort(job.request_id)
+        with self._outbox_cond:
+            ids, self._to_abort = self._to_abort, set()
+        for request_id in ids:
+            self.engine.abort(request_id)
 
-    def _step(self) -> None:
-        if self.engine.has_unfinished_requests():
-            outputs = self.engine.step()
-            now = time.monotonic()
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to the response thread, merged with what it has not sent yet."""
+        if not outputs:
+            return
+        active = self._active
+        with self._outbox_cond:
+            outbox = self._outbox
             for out in outputs:
-                job = self._active.get(out.request_id)
-                if job is not None:
-                    self._deliver(job, out, now)
-            self._observe(self.observer.on_step if self.observer else None, self.engine, now)
+                job = active.get(out.request_id)
+                if job is None:
+                    continue
+                if out.finished:
+                    del active[out.request_id]
+                waiting = outbox.get(out.request_id)
+                if waiting is None:
+                    outbox[out.request_id] = Delivery(job, out)
+                elif waiting.output is not None:
+                    waiting.output = merge_outputs(waiting.output, out)
+            self._outbox_cond.notify_all()
 
-    def _deliver(self, job: Job, out: RequestOutput, now: float) -> None:
-        self._observe(self.observer.on_output if self.observer else None, job, out, now)
-        if out.finished:
-            del self._active[out.request_id]
-            if out.finish_reason == "error":
-                self._fail(job, out.error or "model step failed", ErrorKind.INTERNAL)
+    def _close_outbox(self) -> None:
+        with self._outbox_cond:
+            self._engine_done = True
+            self._outbox_cond.notify_all()
+
+    # The response thread.
+
+    def _respond_loop(self) -> None:
+        busy = False
+        while True:
+            try:
+                busy, done = self._sweep(busy)
+            except Exception:  # never leave the running requests without a sender
+                logger.exception("the response thread's sweep failed")
+                busy, done = False, False
+                time.sleep(CANCEL_MIN_INTERVAL_S)
+            if done:
                 return
-        elif not (out.delta_text or out.delta_token_ids):
+
+    def _sweep(self, busy: bool) -> tuple[bool, bool]:
+        """Send what is ready, poll cancellations, push metrics. Returns (sent something, all done)."""
+        with self._outbox_cond:
+            ready = self._take_ready()
+            if not ready and not self._engine_done:  # also wakes to poll cancellations when idle
+                self._outbox_cond.wait(CANCEL_MIN_INTERVAL_S)
+                ready = self._take_ready()
+            done = self._engine_done and not self._outbox
+        now = time.monotonic()
+        for delivery in ready:
+            self._deliver(delivery, now)
+        self._poll_cancellations(now)
+        if ready or busy:  # metrics while serving, and their final values once idle
+            self._observe(self.observer.on_step if self.observer else None, self.engine, now, not ready)
+        return bool(ready), done
+
+    def _take_ready(self) -> list[Delivery]:
+        """The deliveries to send now (outbox lock held): all but outputs that have fewer than
+        `stream_interval` new tokens and are neither a request's first nor its last."""
+        if self.stream_interval == 1 or self._engine_done:
+            ready = list(self._outbox.values())
+            self._outbox.clear()
+            return ready
+        ready = []
+        for request_id, d in list(self._outbox.items()):
+            out = d.output
+            if (out is None or out.finished or d.job.num_responses == 0
+                    or len(out.delta_token_ids) >= self.stream_interval):
+                ready.append(d)
+                del self._outbox[request_id]
+        return ready
+
+    def _deliver(self, delivery: Delivery, now: float) -> None:
+        job, out = delivery.job, delivery.output
+        if job.closed:
+            return
+        if out is None or out.finished:
+            with self._outbox_cond:
+                self._watched.pop(job.request_id, None)
+        if delivery.error is not None:
+            self._fail(job, *delivery.error)
+            return
+        assert out is not None
+        self._observe(self.observer.on_output if self.observer else None, job, out, now)
+        if out.finished and out.finish_reason == "error":
+            self._fail(job, out.error or "model step failed", ErrorKind.INTERNAL)
+            return
+        if not out.finished and not (out.delta_text or out.delta_token_ids):
             return
         try:
             job.sink.send_output(out)
+            job.num_responses += 1
+            job.closed = out.finished
         except Exception:  # formatting this request's response failed: end it alone
             logger.exception("sending the output of %s failed", job.request_id)
             if not out.finished:
-                del self._active[out.request_id]
-                self.engine.abort(out.request_id)
+                with self._outbox_cond:
+                    self._to_abort.add(job.request_id)
+                    self._watched.pop(job.request_id, None)
+                with self._cond:
+                    self._cond.notify_all()
             self._fail(job, "internal error while formatting the response", ErrorKind.INTERNAL)
+
+    def _poll_cancellations(self, now: float) -> None:
+        """Ask the server whether clients cancelled, within CANCEL_CHECKS_PER_S; abort expired requests."""
+        with self._outbox_cond:
+            watched = list(self._watched.values())
+        if not watched:
+            return
+        interval = max(CANCEL_MIN_INTERVAL_S, len(watched) / CANCEL_CHECKS_PER_S)
+        cancelled = []
+        for job in watched:
+            if job.deadline is not None and now > job.deadline:
+                cancelled.append(job)
+                continue
+            if now < job.next_cancel_check:
+                continue
+            job.next_cancel_check = now + interval
+            try:
+                if job.sink.is_cancelled():
+                    cancelled.append(job)
+            except Exception:  # the server cannot tell: the client is as good as gone
+                logger.exception("is_cancelled() failed for %s", job.request_id)
+                cancelled.append(job)
+        if cancelled:
+            with self._outbox_cond:
+                for job in cancelled:
+                    self._to_abort.add(job.request_id)
+                    self._watched.pop(job.request_id, None)
+            with self._cond:
+                self._cond.notify_all()
 
     @staticmethod
     def _observe(hook: Callable[..., None] | None, *args: object) -> None:
@@ -287,6 +453,9 @@ class EngineLoop:
 
     def _fail(self, job: Job, message: str, kind: ErrorKind) -> None:
         """Send the job's final error; the request id lets an operator find the details in the log."""
+        if job.closed:
+            return
+        job.closed = True
         try:
             job.sink.send_error(f"{message} (request id {job.request_id})", kind)
         except Exception:

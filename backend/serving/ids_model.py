@@ -11,29 +11,29 @@ Triton does not pass cancellation through an ensemble to this step, so a request
 
 from __future__ import annotations
 
-import json
-from itertools import count
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tritium.backend.config import RequestOutput
 from tritium.backend.detokenizer import PROMPT_CONTEXT_TOKENS
-from tritium.backend.engine import LLMEngine
-from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.serving.engine_loop import EngineLoop, Job
-from tritium.backend.serving.metrics import EngineMetrics
-from tritium.backend.serving.request import decode_text, sampling_from_dict, scalar
-from tritium.backend.serving.settings import load_settings
-from tritium.backend.serving.triton_sink import TritonSink, parse_or_reject, read_inputs
+from tritium.backend.sampling_params import SAMPLING_FIELDS
+from tritium.backend.serving.request import EngineRequest, coerce_field, decode_text, sampling_from_dict, scalar
+from tritium.backend.serving.triton_model import EngineModel
+from tritium.backend.serving.triton_sink import TritonSink, read_inputs
 
 DEFAULT_TIMEOUT_S = 300.0
-SCALAR_INPUTS = {  # tensor name -> SamplingParams field
-    "max_tokens": "max_tokens", "min_tokens": "min_tokens", "temperature": "temperature", "top_p": "top_p",
-    "top_k": "top_k", "seed": "seed", "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-}
+# The TensorRT-LLM style scalar inputs: tensor names of config.pbtxt (a fixed list), each the SamplingParams
+# field of that name, whose declared type it is coerced to.
+SCALAR_INPUTS: dict[str, type] = {name: SAMPLING_FIELDS[name].type for name in (
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "presence_penalty",
+    "frequency_penalty")}
+
+
+@dataclass
+class IdsRequest(EngineRequest):
+    stream: bool = False
 
 
 def parse_ids_request(inputs: dict[str, np.ndarray | None]) -> tuple[list[int], dict[str, Any], bool]:
@@ -42,10 +42,10 @@ def parse_ids_request(inputs: dict[str, np.ndarray | None]) -> tuple[list[int], 
     if ids is None or ids.size == 0:
         raise ValueError("input_ids is required and must not be empty")
     sampling: dict[str, Any] = {}
-    for name, field in SCALAR_INPUTS.items():
+    for name in SCALAR_INPUTS:
         value = scalar(name, inputs.get(name))
         if value is not None:
-            sampling[field] = value.item() if hasattr(value, "item") else value
+            sampling[name] = coerce_field(name, value)
     if sampling.get("top_p") == 0:
         sampling["top_p"] = 1.0  # TensorRT-LLM's "off"
     stop_words = inputs.get("stop_words")
@@ -76,37 +76,13 @@ class IdsSink(TritonSink):
         self._send(self.pb.InferenceResponse(output_tensors=tensors), out.finished)
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, Any]) -> None:
-        import triton_python_backend_utils as pb_utils
+class TritonPythonModel(EngineModel[IdsRequest]):
+    request_id_prefix = "ids"
+    default_timeout_s = DEFAULT_TIMEOUT_S  # cancellation does not reach an ensemble's steps
 
-        self.pb = pb_utils
-        settings = load_settings(Path(args["model_repository"]) / args["model_version"])
-        self.timeout_s = settings.request_timeout_s or DEFAULT_TIMEOUT_S
-        self.engine = LLMEngine(settings.engine)
-        self.loop = EngineLoop(self.engine, EngineMetrics(pb_utils, args["model_name"], args["model_version"]),
-                               settings.max_pending_requests)
-        self.loop.start()
-        self._ids = count()
-        self.input_names = [i["name"] for i in json.loads(args["model_config"])["input"]]
-
-    def _parse(self, request: Any) -> tuple[list[int], SamplingParams, bool]:
+    def parse(self, request: Any) -> IdsRequest:
         prompt_ids, sampling, stream = parse_ids_request(read_inputs(self.pb, request, self.input_names))
-        return prompt_ids, sampling_from_dict(sampling), stream
+        return IdsRequest(params=sampling_from_dict(sampling), prompt_token_ids=prompt_ids, stream=stream)
 
-    def execute(self, requests: list[Any]) -> None:
-        for request in requests:
-            request_id = f"ids-{next(self._ids)}"
-            sender = request.get_response_sender()
-            parsed = parse_or_reject(self.pb, sender, request_id, lambda request=request: self._parse(request))
-            if parsed is None:
-                continue
-            prompt_ids, params, stream = parsed
-            job = Job(request_id=request_id, params=params,
-                      sink=IdsSink(self.pb, sender, prompt_ids, stream), prompt_token_ids=prompt_ids)
-            job.deadline = job.arrival + self.timeout_s
-            self.loop.submit(job)
-        return None
-
-    def finalize(self) -> None:
-        self.loop.stop()
+    def make_sink(self, sender: Any, parsed: IdsRequest) -> TritonSink:
+        return IdsSink(self.pb, sender, parsed.prompt_token_ids or [], parsed.stream)

@@ -1,40 +1,49 @@
 """Parse and validate one Triton request for the text model (vLLM backend's I/O contract).
 
 Pure functions over plain values (numpy arrays, dicts), so they are testable without a server. Every
-problem raises ValueError naming the field and the rule; nothing here touches the engine.
+problem raises ValueError naming the field and the rule; nothing here touches the engine. Which sampling
+fields a request may carry, and how each is coerced, follows SamplingParams' declared fields
+(`SAMPLING_FIELDS`): a field added there is accepted here.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: longer prompts are refused before tokenization
-_PARAM_FIELDS = {f.name: f for f in fields(SamplingParams)}
-_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
-_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
-_BOOL_FIELDS = {"include_stop_str_in_output", "ignore_eos", "skip_special_tokens"}
-_LIST_FIELDS = {"stop", "stop_token_ids"}
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "return_logprobs")
+               "return_num_output_tokens", "return_logprobs", "apply_chat_template")
 
 
 @dataclass
-class TextRequest:
-    prompt: str
+class EngineRequest:
+    """What a Triton request becomes a Job with: its sampling settings and its prompt, as text (tokenized on
+    the engine loop's tokenizer thread) or as token ids."""
+
     params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass
+class TextRequest(EngineRequest):
+    """The text model's request. `prompt` is what the engine continues: `text_input`, or with
+    `apply_chat_template` that text as the user turn of the model's chat template (the model renders it)."""
+
     stream: bool = False
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    apply_chat_template: bool = False
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -47,30 +56,36 @@ def _as_bool(name: str, value: Any) -> bool:
     raise ValueError(f"{name} must be a boolean, got {value!r}")
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """Numbers may arrive as strings (genai-perf sends them so) and lists as JSON strings."""
-    if name in _INT_FIELDS and isinstance(value, str):
+def coerce_field(name: str, value: Any) -> Any:
+    """`value` for the SamplingParams field `name`, coerced by the field's declared type: numbers may
+    arrive as strings (genai-perf sends them so) or as numpy scalars (tensors), an integer as an integral
+    float, booleans as "true"/1, lists as JSON strings (a list of strings also as one bare string).
+    What cannot be coerced is returned as is, for SamplingParams to refuse by name."""
+    spec = SAMPLING_FIELDS[name]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if spec.type is bool:
+        return _as_bool(name, value)
+    if spec.type is int and isinstance(value, str):
         try:
             return int(value.strip())
         except ValueError:
             raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if name in _INT_FIELDS and isinstance(value, float) and value.is_integer() and math.isfinite(value):
+    if spec.type is int and isinstance(value, float) and value.is_integer() and math.isfinite(value):
         return int(value)
-    if name in _FLOAT_FIELDS and isinstance(value, str):
+    if spec.type is float and isinstance(value, str):
         try:
             return float(value.strip())
         except ValueError:
             raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if name in _BOOL_FIELDS:
-        return _as_bool(name, value)
-    if name in _LIST_FIELDS and isinstance(value, str):
+    if spec.type is list and isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
             try:
                 return json.loads(text)
             except json.JSONDecodeError:
                 raise ValueError(f"{name} must be a list or a JSON list, got {value!r}") from None
-        if name == "stop":
+        if spec.item is str:
             return [value]
         raise ValueError(f"{name} must be a list or a JSON list, got {value!r}")
     return value
@@ -79,10 +94,10 @@ def _coerce(name: str, value: Any) -> Any:
 def sampling_from_dict(raw: dict[str, Any], strict: bool = True) -> SamplingParams:
     """SamplingParams from JSON-ish values. With `strict`, unknown keys are an error; otherwise
     they are left out (the caller handles them)."""
-    unknown = sorted(set(raw) - set(_PARAM_FIELDS))
+    unknown = sorted(set(raw) - set(SAMPLING_FIELDS))
     if unknown and strict:
         raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
-    values = {k: _coerce(k, v) for k, v in raw.items() if k in _PARAM_FIELDS and v is not None}
+    values = {k: coerce_field(k, v) for k, v in raw.items() if k in SAMPLING_FIELDS and v is not None}
     return SamplingParams.from_dict(values)
 
 
@@ -125,7 +140,9 @@ def decode_text(name: str, value: Any) -> str:
 def parse_text_request(inputs: dict[str, np.ndarray | None], parameters: dict[str, Any]) -> TextRequest:
     """Build a TextRequest from the request's input arrays (None when absent) and its Triton
     parameters (a dict of scalars). Sampling fields may come from `sampling_parameters` (JSON) and
-    from the parameters; the parameters win. Raises ValueError on any problem."""
+    from the parameters; the parameters win. With `apply_chat_template`, `exclude_input_in_output`
+    defaults to true (the reply alone). The chat template itself is applied by the model, which has the
+    tokenizer. Raises ValueError on any problem."""
     raw_text = scalar("text_input", inputs.get("text_input"))
     if raw_text is None:
         raise ValueError("text_input is required")
@@ -142,8 +159,9 @@ def parse_text_request(inputs: dict[str, np.ndarray | None], parameters: dict[st
             continue  # client/transport settings such as triton_enable_empty_final_response
         if key in FLAG_INPUTS:
             flags[key] = _as_bool(key, value)
-        elif key in _PARAM_FIELDS:
+        elif key in SAMPLING_FIELDS:
             sampling[key] = value
         else:
             raise ValueError(f"unknown request parameter {key!r}")
+    flags.setdefault("exclude_input_in_output", flags.get("apply_chat_template", False))  # a chat reply alone
     return TextRequest(prompt=prompt, params=sampling_from_dict(sampling), **flags)

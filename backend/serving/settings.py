@@ -17,6 +17,7 @@ class ServingSettings:
     engine: EngineConfig
     request_timeout_s: float | None  # abort requests still running after this long (None: never)
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS  # beyond this many waiting, refuse ("overloaded")
+    stream_interval: int = 1  # streamed responses carry at least this many tokens (the first and last excepted)
 
 
 def load_settings(version_dir: str | Path) -> ServingSettings:
@@ -29,6 +30,9 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     max_pending = raw.pop("max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS)
     if not isinstance(max_pending, int) or isinstance(max_pending, bool) or max_pending < 1:
         raise ValueError(f"{path}: max_pending_requests must be an integer >= 1, got {max_pending!r}")
+    stream_interval = raw.pop("stream_interval", 1)
+    if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+        raise ValueError(f"{path}: stream_interval must be an integer >= 1, got {stream_interval!r}")
     known = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -36,4 +40,5 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     model = raw.get("model")
     if model and not Path(model).expanduser().is_absolute() and (version_dir / model).exists():
         raw["model"] = str((version_dir / model).resolve())
-    return ServingSettings(EngineConfig(**raw), float(timeout) if timeout is not None else None, max_pending)
+    return ServingSettings(EngineConfig(**raw), float(timeout) if timeout is not None else None, max_pending,
+                           stream_interval)

@@ -1,0 +1,49 @@
+"""The kernel interface: what an attention backend's ops module provides. `tritium.kernels.reference`
+(plain torch) and `tritium.kernels.triton_ops` (Triton) both implement it; tests/test_kernel_interface.py
+checks their signatures against this Protocol.
+
+Shapes: packed tokens first; caches are `[num_blocks, block_size, num_kv_heads, head_dim]`; block tables
+int32 `[num_seqs, max_blocks]`; `slot_mapping` `[num_tokens]` (block * block_size + offset, -1 skips).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KernelOps(Protocol):
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Scatter `key`/`value` `[num_tokens, num_kv_heads, head_dim]` into the caches at `slot_mapping`."""
+        ...
+
+    def prefill_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                          scale: float, max_query_len: int | None = None) -> torch.Tensor:
+        """Causal attention of packed query rows (sequence i: rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, the
+        last positions of a context of `seq_lens[i]` cached tokens). Returns q's shape and dtype."""
+        ...
+
+    def decode_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query row per sequence `[num_seqs, num_heads, head_dim]` against its whole paged context."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over the last dim; with `residual`, first x += residual and return (normed, new residual)."""
+        ...
+
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor) -> None:
+        """Rotate q and k in place (neox style) at `positions`; the cache is cat(cos, sin) per position."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
+        ...
+
+
+OP_NAMES = ("store_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul")
