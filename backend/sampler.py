@@ -64,7 +64,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def row_max(logits: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def row_max(logits: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits.max(dim=-1)` (values, first index of the maximum; NaN wins, as there), about 3x faster for a
     batch on a CPU: `amax` over chunks is vectorized where `max` with indices is not."""
     rows, vocab = logits.shape

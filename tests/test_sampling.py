@@ -131,7 +131,7 @@ def test_from_dict_accepts_or_raises_value_error(values: dict[str, object]) -> N
         SamplingParams.from_dict(values)
 
 
-@pytest.mark.parametrize("vocab", [49152, 49157, 300])
+@pytest.mark.parametrize("vocab", [49152, 49157, 2100, 300])
 def test_row_max_is_max_with_its_first_index(vocab: int) -> None:
     logits = torch.randn(16, vocab)
     logits[1, 7] = float("nan")
