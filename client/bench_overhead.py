@@ -235,7 +235,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         return 1e3 * summary[key].get(stat, 0.0)
 
     print(f"\n{'scenario':<13}{'in tok/s':>10}{'srv tok/s':>10}{'ratio':>7}{'in ITL p50/p99':>16}"
-          f"{'srv ITL p50/p99':>17}{'ITL ratio':>10}{'in TTFT p50':>12}{'srv TTFT p50':>13}{'host ms/step':>13}")
+          f"{'srv ITL p50/p99':>17}{'ITL ratio':>10}{'in TTFT p50':>12}{'srv TTFT p50':>13}{'host ms/step':>13}"
+          f"{'srv tok/resp':>13}")
     for r in results:
         inp, srv = r["in_process"], r["served"]
         itl = "n/a" if r["itl_ratio"] is None else f"{r['itl_ratio']:.3f}"
@@ -244,7 +245,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         ttft = f"{ms(inp, 'time_to_first_token_s'):>10.1f}ms{ms(srv, 'time_to_first_token_s'):>11.1f}ms"
         print(f"{r['name']:<13}{inp['output_token_throughput_per_s']:>10.1f}"
               f"{srv['output_token_throughput_per_s']:>10.1f}{r['throughput_ratio']:>7.3f}{in_itl:>16}{srv_itl:>17}"
-              f"{itl:>10}{ttft}{inp['host_ms_per_step']:>13.3f}")
+              f"{itl:>10}{ttft}{inp['host_ms_per_step']:>13.3f}{srv.get('tokens_per_response', 0):>13.2f}")
     print()
     for r in results:
         goal, inp = r["goal"], r["in_process"]

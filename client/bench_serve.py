@@ -31,6 +31,7 @@ class RequestRecord:
     itl_s: float | None
     ok: bool
     error: str | None = None
+    responses: int = 0  # streamed responses that carried text
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -61,13 +62,15 @@ async def triton_request(client: Any, model: str, prompt: str, output_len: int, 
 
     start = time.perf_counter()
     first: float | None = None
-    tokens = 0
+    tokens = responses = 0
     async for result, error in client.stream_infer(requests_iter(), headers=headers):
         now = time.perf_counter()
         if error is not None:
             return RequestRecord(0, now - start, 0, None, False, str(error))
-        if first is None and result.as_numpy("text_output") is not None:
-            first = now
+        text = result.as_numpy("text_output")
+        if text is not None:
+            first = now if first is None else first
+            responses += bool(text.size and len(text.reshape(-1)[0]))
         count = result.as_numpy("num_output_tokens")
         if count is not None:
             tokens = int(count.reshape(-1)[0])
@@ -76,7 +79,7 @@ async def triton_request(client: Any, model: str, prompt: str, output_len: int, 
     end = time.perf_counter()
     ttft = (first or end) - start
     itl = (end - start - ttft) / (tokens - 1) if tokens > 1 else None
-    return RequestRecord(ttft, end - start, tokens, itl, True)
+    return RequestRecord(ttft, end - start, tokens, itl, True, responses=responses)
 
 
 async def openai_request(client: Any, model: str, prompt: str, output_len: int) -> RequestRecord:
@@ -142,6 +145,7 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
         "output_token_throughput_per_s": tokens / duration,
         "request_throughput_per_s": len(ok) / duration,
         "output_tokens": tokens,
+        "tokens_per_response": tokens / max(1, sum(getattr(r, "responses", 0) for r in ok)),
     }
 
 

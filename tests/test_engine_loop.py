@@ -1,9 +1,11 @@
 """The engine loop's response thread: outputs that wait while a send is slow are merged into one response per
 request (adaptive coalescing), `stream_interval` bounds how small a streamed response may be, the first
-token is never held, nothing is lost, and a cancelled request is aborted."""
+token is never held, nothing is lost, and a cancelled request is aborted. The pacer widens responses only
+while sending is the bottleneck."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,8 @@ from tritium.backend import LLM, SamplingParams
 from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
 from tritium.backend.serving.engine_loop import EngineLoop, Job, merge_outputs
+from tritium.backend.serving.settings import load_settings
+from tritium.backend.serving.stream_pacer import StreamPacer
 
 LONG = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=1)
 
@@ -100,3 +104,30 @@ def test_merged_outputs_join_their_deltas() -> None:
     merged = merge_outputs(out("a", [1]), out("b", [2], finished=True))
     assert (merged.delta_text, merged.delta_token_ids, merged.finished) == ("ab", [1, 2], True)
     assert merged.delta_logprobs == [{1: -1.0}, {2: -1.0}]
+
+
+def test_the_pacer_coalesces_only_while_sending_is_the_bottleneck() -> None:
+    pacer = StreamPacer(1, 16)
+    now = 0.0
+    for _ in range(40):  # sending takes 80% of the time: double, up to the bound
+        now += 0.1
+        pacer.record(0.08, now)
+    assert pacer.interval == 16
+    for _ in range(40):  # sending is cheap again: back to one token per response
+        now += 0.1
+        pacer.record(0.001, now)
+    assert pacer.interval == 1
+    for _ in range(40):  # in between: no change either way
+        now += 0.1
+        pacer.record(0.03, now)
+    assert pacer.interval == 1
+
+
+@pytest.mark.parametrize("settings,message", [({"stream_interval": 0}, "stream_interval must be an integer >= 1"),
+                                              ({"stream_interval": "2"}, "stream_interval must be an integer"),
+                                              ({"stream_interval": 4, "max_stream_interval": 2},
+                                               "max_stream_interval must be an integer >= 4")])
+def test_stream_interval_settings_are_checked(tmp_path: Path, settings: dict, message: str) -> None:
+    (tmp_path / "model.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match=message):
+        load_settings(tmp_path)

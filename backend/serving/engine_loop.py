@@ -31,7 +31,8 @@ from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.serving.heap import heap_trimmer
-from tritium.backend.serving.settings import DEFAULT_MAX_PENDING_REQUESTS
+from tritium.backend.serving.settings import DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_MAX_STREAM_INTERVAL
+from tritium.backend.serving.stream_pacer import StreamPacer
 from tritium.backend.tokenizer import TOKENIZER_NICE
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class LoopObserver(Protocol):
     def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None: ...
     def on_refused(self) -> None: ...
     def on_engine_failed(self) -> None: ...
+    def on_stream_interval(self, interval: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -107,13 +109,12 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, observer: LoopObserver | None = None,
-                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS, stream_interval: int = 1) -> None:
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS, stream_interval: int = 1,
+                 max_stream_interval: int = DEFAULT_MAX_STREAM_INTERVAL) -> None:
         self.engine = engine
         self.observer = observer
         self.max_pending_requests = max_pending_requests
-        self.stream_interval = stream_interval
+        self.pacer = StreamPacer(stream_interval, max_stream_interval)  # tokens per streamed response
         self.failed = False
         self._to_tokenize: deque[Job] = deque()
         self._tokenizing = 0
@@ -134,6 +135,7 @@ class EngineLoop:
         self._response_thread = threading.Thread(target=self._respond_loop, name="tritium-respond", daemon=True)
 
     def start(self) -> None:
+        self._observe(self.observer.on_stream_interval if self.observer else None, self.pacer.interval)
         self._thread.start()
         self._tokenizer_thread.start()
         self._response_thread.start()
@@ -360,15 +362,22 @@ class EngineLoop:
         now = time.monotonic()
         for delivery in ready:
             self._deliver(delivery, now)
+        sent = time.monotonic()
+        interval = self.pacer.interval
+        self.pacer.record(sent - now, sent)
+        if self.pacer.interval != interval:
+            logger.info("streamed responses now carry up to %d tokens", self.pacer.interval)
+            self._observe(self.observer.on_stream_interval if self.observer else None, self.pacer.interval)
         self._poll_cancellations(now)
         if ready or busy:  # metrics while serving, and their final values once idle
             self._observe(self.observer.on_step if self.observer else None, self.engine, now, not ready)
         return bool(ready), done
 
     def _take_ready(self) -> list[Delivery]:
-        """The deliveries to send now (outbox lock held): all but outputs that have fewer than
-        `stream_interval` new tokens and are neither a request's first nor its last."""
-        if self.stream_interval == 1 or self._engine_done:
+        """The deliveries to send now (outbox lock held): all but outputs that have fewer than the pacer's
+        interval of new tokens and are neither a request's first nor its last."""
+        interval = self.pacer.interval
+        if interval == 1 or self._engine_done:
             ready = list(self._outbox.values())
             self._outbox.clear()
             return ready
@@ -376,7 +385,7 @@ class EngineLoop:
         for request_id, d in list(self._outbox.items()):
             out = d.output
             if (out is None or out.finished or d.job.num_responses == 0
-                    or len(out.delta_token_ids) >= self.stream_interval):
+                    or len(out.delta_token_ids) >= interval):
                 ready.append(d)
                 del self._outbox[request_id]
         return ready

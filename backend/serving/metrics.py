@@ -18,7 +18,7 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class EngineMetrics:
     """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption, prefix hit and
-    refusal counters; running/waiting/KV-usage/engine-health gauges. Labelled with the model name and
+    refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges. Labelled with the model name and
     version."""
 
     def __init__(self, pb_utils: Any, model: str, version: str) -> None:
@@ -54,6 +54,8 @@ class EngineMetrics:
         self.engine_healthy = metric("tritium_engine_healthy", "1 while the engine serves, 0 once its thread failed",
                                      gauge)
         self.engine_healthy.set(1)
+        self.stream_interval = metric("tritium_stream_interval_tokens", "Tokens a streamed response carries at "
+                                      "most now (1 while sending keeps up; see max_stream_interval)", gauge)
         self._seen_preemptions = 0
         self._seen_hits = 0
         self._seen_queries = 0
@@ -80,6 +82,9 @@ class EngineMetrics:
 
     def on_refused(self) -> None:
         self.refused.increment(1)
+
+    def on_stream_interval(self, interval: int) -> None:
+        self.stream_interval.set(interval)
 
     def on_engine_failed(self) -> None:
         self.engine_healthy.set(0)

@@ -10,6 +10,7 @@ from typing import Any
 from tritium.backend.config import EngineConfig
 
 DEFAULT_MAX_PENDING_REQUESTS = 128  # twice the default max_num_seqs
+DEFAULT_MAX_STREAM_INTERVAL = 16  # the most tokens a streamed response carries when sending cannot keep up
 
 
 @dataclass
@@ -18,6 +19,14 @@ class ServingSettings:
     request_timeout_s: float | None  # abort requests still running after this long (None: never)
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS  # beyond this many waiting, refuse ("overloaded")
     stream_interval: int = 1  # streamed responses carry at least this many tokens (the first and last excepted)
+    max_stream_interval: int = DEFAULT_MAX_STREAM_INTERVAL  # ... and up to this many when sending falls behind
+
+
+def _int_setting(path: Path, raw: dict[str, Any], name: str, default: int, low: int) -> int:
+    value = raw.pop(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{path}: {name} must be an integer >= {low}, got {value!r}")
+    return value
 
 
 def load_settings(version_dir: str | Path) -> ServingSettings:
@@ -27,12 +36,10 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     path = version_dir / "model.json"
     raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     timeout = raw.pop("request_timeout_s", None)
-    max_pending = raw.pop("max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS)
-    if not isinstance(max_pending, int) or isinstance(max_pending, bool) or max_pending < 1:
-        raise ValueError(f"{path}: max_pending_requests must be an integer >= 1, got {max_pending!r}")
-    stream_interval = raw.pop("stream_interval", 1)
-    if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
-        raise ValueError(f"{path}: stream_interval must be an integer >= 1, got {stream_interval!r}")
+    max_pending = _int_setting(path, raw, "max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS, 1)
+    stream_interval = _int_setting(path, raw, "stream_interval", 1, 1)
+    max_stream_interval = _int_setting(path, raw, "max_stream_interval",
+                                       max(DEFAULT_MAX_STREAM_INTERVAL, stream_interval), stream_interval)
     known = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -41,4 +48,4 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     if model and not Path(model).expanduser().is_absolute() and (version_dir / model).exists():
         raw["model"] = str((version_dir / model).resolve())
     return ServingSettings(EngineConfig(**raw), float(timeout) if timeout is not None else None, max_pending,
-                           stream_interval)
+                           stream_interval, max_stream_interval)

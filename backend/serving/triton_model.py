@@ -56,7 +56,8 @@ class EngineModel(Generic[R]):
         self.timeout_s = settings.request_timeout_s or self.default_timeout_s
         self.engine = LLMEngine(settings.engine)
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
-        self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval)
+        self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval,
+                               settings.max_stream_interval)
         self.loop.start()
         self._ids = count()
         import torch
