@@ -9,13 +9,9 @@ from tritium.backend.sequence import SequenceStatus
 from test_block_manager import seq
 
 
-def advance(out: SchedulerOutput, next_token: int = 7) -> None:
-    """What the engine does after a step: tokens computed, one sampled where the step ends."""
-    for s in out.scheduled:
-        samples = s.samples
-        s.seq.num_computed_tokens += s.num_new_tokens
-        if samples:
-            s.seq.token_ids.append(next_token)
+def advance(sched: Scheduler, out: SchedulerOutput, next_token: int = 7) -> None:
+    """What the engine does after a step: the scheduler's own update, with `next_token` sampled."""
+    sched.update(out, [next_token] * len(out.sampling))
 
 
 def test_budget_and_chunked_prefill() -> None:
@@ -26,10 +22,10 @@ def test_budget_and_chunked_prefill() -> None:
     out = sched.schedule()
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 7), ("b", 3)]
     assert out.scheduled[0].samples and not out.scheduled[1].samples
-    advance(out)
+    advance(sched, out)
     out = sched.schedule()  # a decodes (1 token), b continues its prefill with the rest of the budget
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
-    advance(out)
+    advance(sched, out)
     out = sched.schedule()
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 8)]
     assert out.scheduled[1].samples
@@ -42,7 +38,7 @@ def test_max_num_seqs_limits_admission() -> None:
     out = sched.schedule()
     assert len(out.scheduled) == 2 and len(sched.waiting) == 1
     sched.finish(out.scheduled[0].seq, "stop")
-    advance(out)
+    advance(sched, out)
     out = sched.schedule()
     assert {s.seq.request_id for s in out.scheduled} == {"r1", "r2"}
 
@@ -64,14 +60,15 @@ def test_preempts_newest_when_blocks_run_out() -> None:
     sched.add(b)
     out = sched.schedule()
     assert len(out.scheduled) == 2 and bm.num_free_blocks == 0
-    advance(out)
+    advance(sched, out)
     # a now has 9 tokens and needs a third block: b (newest) is preempted and requeued first.
     out = sched.schedule()
     assert out.preempted == [b] and [s.seq for s in out.scheduled] == [a]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
     assert sched.num_preemptions == 1
-    advance(out)
+    advance(sched, out)
     sched.finish(a, "stop")
     out = sched.schedule()
-    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 8)]  # recompute + output
+    # Recompute prompt + output, less b's first block, which the update committed to the prefix cache.
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 4)] and b.num_cached_tokens == 4
     assert out.scheduled[0].samples
