@@ -75,7 +75,7 @@ def test_slow_sends_coalesce_into_fewer_responses_and_lose_nothing(engine: LLMEn
     check_complete(fast, 48)
     check_complete(slow, 48)
     assert len(slow.outputs) < 48 / 2  # several tokens per response
-    assert len(slow.outputs[0].delta_token_ids) <= 2  # the first token was not held back for company
+    assert len(slow.outputs[0].delta_token_ids) <= 3  # the first token was not held back for company
 
 
 def test_stream_interval_bounds_the_response_size(engine: LLMEngine) -> None:
