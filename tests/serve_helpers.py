@@ -91,9 +91,20 @@ def wait_for(condition: Callable[[], bool], timeout: float = 60.0, interval: flo
 
 
 def wait_until_idle(served: Served, timeout: float = 120.0) -> bool:
-    """Wait until the KV cache is empty and no request runs or waits (the gauges are pushed every 0.5 s)."""
+    """Wait until the KV cache is empty, no request runs or waits, and the last requests' metrics have been
+    pushed (metrics are pushed every 0.5 s and when the engine goes idle: a gauge can read 0 from before a
+    short request ran, so the finished-request count must also stay put for longer than a push interval)."""
     names = ("tritium_kv_cache_used_blocks", "tritium_num_requests_running", "tritium_num_requests_waiting")
-    return wait_for(lambda: all(metric_value(served, name) == 0 for name in names), timeout, 0.5)
+
+    def settled() -> bool:
+        if not all(metric_value(served, name) == 0 for name in names):
+            return False
+        finished = metric_value(served, "tritium_e2e_request_latency_seconds_count")
+        time.sleep(0.6)
+        return finished == metric_value(served, "tritium_e2e_request_latency_seconds_count") and all(
+            metric_value(served, name) == 0 for name in names)
+
+    return wait_for(settled, timeout, 0.5)
 
 
 def metric_value(served: Served, name: str) -> float:

@@ -18,8 +18,8 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class EngineMetrics:
     """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption, prefix hit and
-    refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges. Labelled with the model name and
-    version."""
+    refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges. Labelled with the
+    model name and version."""
 
     def __init__(self, pb_utils: Any, model: str, version: str) -> None:
         family = pb_utils.MetricFamily
@@ -96,10 +96,8 @@ class EngineMetrics:
         if not force and now - self._last_flush < FLUSH_INTERVAL_S:
             return
         self._last_flush = now
-        for values, metric in ((self._ttft, self.ttft), (self._itl, self.itl), (self._e2e, self.e2e)):
-            for value in values:
-                metric.observe(value)
-            values.clear()
+        # Counters first, then the histograms (a request's e2e observation last), then the gauges: a reader
+        # that sees a request's e2e count sees its token counters too.
         if self._generated:
             self.generation_tokens.increment(self._generated)
             self._generated = 0
@@ -107,10 +105,6 @@ class EngineMetrics:
             self.prompt_tokens.increment(self._prompt)
             self._prompt = 0
         sched, blocks = engine.scheduler, engine.block_manager
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(blocks.usage)
-        self.kv_used_blocks.set(blocks.num_blocks - blocks.num_free_blocks)
         if sched.num_preemptions > self._seen_preemptions:
             self.preemptions.increment(sched.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = sched.num_preemptions
@@ -120,3 +114,11 @@ class EngineMetrics:
         if blocks.prefix_queried_tokens > self._seen_queries:
             self.prefix_queries.increment(blocks.prefix_queried_tokens - self._seen_queries)
             self._seen_queries = blocks.prefix_queried_tokens
+        for values, metric in ((self._ttft, self.ttft), (self._itl, self.itl), (self._e2e, self.e2e)):
+            for value in values:
+                metric.observe(value)
+            values.clear()
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(blocks.usage)
+        self.kv_used_blocks.set(blocks.num_blocks - blocks.num_free_blocks)
