@@ -8,6 +8,8 @@ token that ends inside a multi-byte UTF-8 character yields nothing until a later
 
 from __future__ import annotations
 
+from collections import deque
+
 from tokenizers.decoders import DecodeStream
 
 from tritium.backend.tokenizer import Tokenizer
@@ -19,9 +21,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])  # the last tokens whose text was released
-        self.held: list[int] = []  # tokens whose text is not complete yet
-        self._stream = DecodeStream(ids=self.context, skip_special_tokens=skip_special_tokens)
+        # The last tokens whose text was released, and the tokens whose text is not complete yet.
+        self.context: deque[int] = deque(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], maxlen=PROMPT_CONTEXT_TOKENS)
+        self.held: list[int] = []
+        self._stream = DecodeStream(ids=list(self.context), skip_special_tokens=skip_special_tokens)
 
     def add_token(self, token_id: int) -> str:
         """The text `token_id` completes ("" while a character is incomplete, or for a skipped special token)."""
@@ -29,17 +32,19 @@ class IncrementalDetokenizer:
         text = self._stream.step(self.tokenizer.hf, token_id)
         if text is None:
             return ""
-        self.context = (self.context + self.held)[-PROMPT_CONTEXT_TOKENS:]
-        self.held = []
+        self._release_held()
         return text
 
     def flush(self) -> str:
         """At the end of generation: the text of the tokens still held."""
         if not self.held:
             return ""
-        skip = self.skip_special_tokens
-        before = self.tokenizer.decode(self.context, skip_special_tokens=skip)
-        after = self.tokenizer.decode(self.context + self.held, skip_special_tokens=skip)
-        self.context = (self.context + self.held)[-PROMPT_CONTEXT_TOKENS:]
-        self.held = []
+        skip, context = self.skip_special_tokens, list(self.context)
+        before = self.tokenizer.decode(context, skip_special_tokens=skip)
+        after = self.tokenizer.decode(context + self.held, skip_special_tokens=skip)
+        self._release_held()
         return after[len(before):] if after.startswith(before) else after
+
+    def _release_held(self) -> None:
+        self.context.extend(self.held)
+        self.held = []

@@ -127,17 +127,23 @@ class LLMEngine:
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string (or pass prompt_token_ids)")
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            self.tokenizer.check_can_fit(prompt, self.max_model_len)
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.tokenize(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params)
-        seq = Sequence(request_id, prompt, ids, params, next(self._arrivals), max_tokens=params.max_tokens)
+        seq = Sequence(request_id, prompt, ids, params, next(self._arrivals))
         self.outputs.add(seq)
         self.sampler.add_request(request_id, params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """The token ids of `prompt`; raises ValueError when it is empty or cannot fit the context (checked
+        before tokenizing a huge text). Reads only settings: any thread may call it (the serving tokenizer
+        thread does)."""
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        self.tokenizer.check_can_fit(prompt, self.max_model_len)
+        return self.tokenizer.encode(prompt)
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError when token ids `ids` with `params` cannot be served by this engine (empty, ids
@@ -172,7 +178,7 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None or seq.finished:
             return
-        self._finish(seq, "abort")
+        self._end(seq, "abort")
         try:
             self._pending.append(self.outputs.output(seq))
         except Exception:
@@ -196,7 +202,7 @@ class LLMEngine:
         t_update = time.perf_counter()
         if sampled is None:  # the forward pass failed: fail only the requests of this step; the engine goes on
             for s in batch.scheduled:
-                self._finish(s.seq, "error")
+                self._end(s.seq, "error")
                 outputs.append(self.outputs.error_output(s.seq, "the model step failed"))
             return outputs
         self.scheduler.update(batch, sampled.token_ids)
@@ -231,22 +237,20 @@ class LLMEngine:
         whatever fails here ends this request alone with an error."""
         if error is None and token is not None:
             try:
-                if self.outputs.append_token(seq, token, logprobs) and not seq.finished:
-                    self._finish(seq, "stop")
-                elif seq.finished:
-                    self._forget(seq)
+                if self.outputs.append_token(seq, token, logprobs) or seq.finished:  # a stop string, or the
+                    self._end(seq, "stop")  # scheduler's stop (its reason stays)
                 return self.outputs.output(seq)
             except Exception:
                 logger.exception("processing the output of %s failed", seq.request_id)
                 error = "internal error while processing the generated token"
-        if not seq.finished:
-            self._finish(seq, "error")
-        else:
-            self._forget(seq)
+        self._end(seq, "error")
         return self.outputs.error_output(seq, error or "no token was sampled")
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq` with `reason` unless it already finished (the scheduler's reason then stands), and drop
+        the engine's own state of it."""
+        if not seq.finished:
+            self.scheduler.finish(seq, reason)
         self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:

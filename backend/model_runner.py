@@ -53,19 +53,18 @@ class ModelRunner:
         slots = layout.slot_mapping
         input_ids: list[int] = []
         positions: list[int] = []
-        decode_rows: dict[int, int] = {}
+        last_row: dict[int, int] = {}  # id(scheduled) -> its last packed row
         for s in batch:  # decode rows: one token at position num_computed_tokens
             if s.num_new_tokens != 1:
                 continue
             seq = s.seq
             pos = seq.num_computed_tokens
-            decode_rows[id(s)] = len(input_ids)
+            last_row[id(s)] = len(input_ids)
             input_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
             layout.decode_block_tables.append(seq.block_table)
             layout.decode_seq_lens.append(pos + 1)
-        last_row = decode_rows
         for s in batch:
             if s.num_new_tokens == 1:
                 continue

@@ -31,6 +31,12 @@ class RequestState:
         if text:
             self.unsent_text.append(text)
 
+    def release_held(self) -> None:
+        """At a length or abort end: what the last tokens say, and a tail that never became a stop string."""
+        self.release(self.detokenizer.flush())
+        if self.stop_strings is not None and (tail := self.stop_strings.flush()):
+            self.unsent_text.append(tail)
+
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -46,13 +52,10 @@ class OutputProcessor:
             num_sent_tokens=seq.num_prompt_tokens,
         )
 
-    def remove(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
-
     def append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> bool:
         """Detokenize `seq`'s new `token`. Returns True when a stop string appeared in its text."""
         state = self.states[seq.request_id]
-        if logprobs is not None and state.want_logprobs:
+        if logprobs is not None:  # the sampler returns them only when asked
             state.logprobs.append(logprobs)
         state.release(state.detokenizer.add_token(token))
         return state.stop_strings is not None and state.stop_strings.stopped
@@ -73,12 +76,8 @@ class OutputProcessor:
         state = self.states[seq.request_id]
         finished = seq.finished
         if finished and seq.finish_reason != "stop":
-            state.release(state.detokenizer.flush())  # a length or abort end keeps what the last tokens say
-            if state.stop_strings is not None:
-                text = state.stop_strings.flush()
-                if text:
-                    state.unsent_text.append(text)
-        delta_text = "".join(state.unsent_text) if len(state.unsent_text) != 1 else state.unsent_text[0]
+            state.release_held()
+        delta_text = "".join(state.unsent_text)
         state.unsent_text.clear()
         if delta_text:
             state.text_parts.append(delta_text)

@@ -32,7 +32,6 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    max_tokens: int = 0  # params.max_tokens
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ class StopChecker:
         token = seq.token_ids[-1]
         if n >= p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
             return "stop"
-        if n >= seq.max_tokens:
+        if n >= p.max_tokens:
             return "length"
         return None
 

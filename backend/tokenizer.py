@@ -84,6 +84,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def user_turn(self, text: str) -> str:
+        """`text` as the user turn of the chat template, ready for the assistant's reply. Raises ValueError
+        when the model has no template."""
+        return self.apply_chat_template([{"role": "user", "content": text}])
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:

@@ -8,7 +8,7 @@ from tritium.backend.sequence import Sequence
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(rid, None, tokens, SamplingParams(max_tokens=1000), 0, max_tokens=1000)
+    return Sequence(rid, None, tokens, SamplingParams(max_tokens=1000), 0)
 
 
 def compute_all(bm: BlockManager, s: Sequence) -> None:

@@ -72,6 +72,16 @@ class LoopObserver(Protocol):
     def on_stream_interval(self, interval: int) -> None: ...
 
 
+class NoObserver:
+    """The observer of a loop without metrics."""
+
+    def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None: ...
+    def on_refused(self) -> None: ...
+    def on_engine_failed(self) -> None: ...
+    def on_stream_interval(self, interval: int) -> None: ...
+
+
 @dataclass(eq=False)
 class Job:
     request_id: str
@@ -112,7 +122,7 @@ class EngineLoop:
                  max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS, stream_interval: int = 1,
                  max_stream_interval: int = DEFAULT_MAX_STREAM_INTERVAL) -> None:
         self.engine = engine
-        self.observer = observer
+        self.observer: LoopObserver = observer or NoObserver()
         self.max_pending_requests = max_pending_requests
         self.pacer = StreamPacer(stream_interval, max_stream_interval)  # tokens per streamed response
         self.failed = False
@@ -135,7 +145,7 @@ class EngineLoop:
         self._response_thread = threading.Thread(target=self._respond_loop, name="tritium-respond", daemon=True)
 
     def start(self) -> None:
-        self._observe(self.observer.on_stream_interval if self.observer else None, self.pacer.interval)
+        self._observe(self.observer.on_stream_interval, self.pacer.interval)
         self._thread.start()
         self._tokenizer_thread.start()
         self._response_thread.start()
@@ -167,7 +177,7 @@ class EngineLoop:
             self._cond.notify_all()
         if refusal is not None:
             if refusal[1] is ErrorKind.OVERLOADED:
-                self._observe(self.observer.on_refused if self.observer else None)
+                self._observe(self.observer.on_refused)
             self._fail(job, *refusal)
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -184,12 +194,19 @@ class EngineLoop:
         for job in self._take_all():
             self._fail(job, "the model is shutting down", ErrorKind.UNAVAILABLE)
 
-    def _take_all(self) -> list[Job]:
+    def _take_waiting(self) -> list[Job]:
+        """The jobs not in the engine yet (being tokenized, queued, being admitted), taken out of the loop."""
         with self._cond:
-            jobs = [*self._to_tokenize, *self._queue, *self._admitting, *self._active.values()]
+            jobs = [*self._to_tokenize, *self._queue, *self._admitting]
             self._to_tokenize.clear()
             self._queue.clear()
             self._admitting.clear()
+        return jobs
+
+    def _take_all(self) -> list[Job]:
+        jobs = self._take_waiting()
+        with self._cond:
+            jobs += self._active.values()
             self._active.clear()
         with self._outbox_cond:
             jobs += [d.job for d in self._outbox.values() if d.job not in jobs]
@@ -197,7 +214,6 @@ class EngineLoop:
         return jobs
 
     def _tokenize_loop(self) -> None:
-        tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
         try:  # Linux: a thread's own nice value (raising it needs no privilege)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICE)
         except (OSError, AttributeError):
@@ -211,10 +227,7 @@ class EngineLoop:
                 job = self._to_tokenize.popleft()
                 self._tokenizing = 1
             try:
-                if not job.prompt:
-                    raise ValueError("prompt must not be empty")
-                tokenizer.check_can_fit(job.prompt, max_len)
-                ids = tokenizer.encode(job.prompt)
+                ids = self.engine.tokenize(job.prompt or "")
                 self.engine.check_request(ids, job.params)  # a hopeless prompt never reaches the engine thread
                 job.prompt_token_ids = ids
             except ValueError as exc:
@@ -262,27 +275,18 @@ class EngineLoop:
               "every request until it is reloaded", file=sys.stderr, flush=True)
         with self._cond:
             self.failed = True
-            self._cond.notify_all()
-        self._observe(self.observer.on_engine_failed if self.observer else None)
-        error = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
-                 ErrorKind.UNAVAILABLE)
-        with self._cond:
             engine_jobs = list(self._active.values())
             self._active.clear()
+            self._cond.notify_all()
+        self._observe(self.observer.on_engine_failed)
+        error = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
+                 ErrorKind.UNAVAILABLE)
         with self._outbox_cond:  # the response thread owns these jobs' senders: it sends their errors
             for job in engine_jobs:
                 self._outbox[job.request_id] = Delivery(job, error=error)
             self._outbox_cond.notify_all()
-        for job in self._take_all_but_outbox():
+        for job in self._take_waiting():
             self._fail(job, *error)
-
-    def _take_all_but_outbox(self) -> list[Job]:
-        with self._cond:
-            jobs = [*self._to_tokenize, *self._queue, *self._admitting]
-            self._to_tokenize.clear()
-            self._queue.clear()
-            self._admitting.clear()
-        return jobs
 
     def _admit(self) -> None:
         admitted = []
@@ -367,10 +371,10 @@ class EngineLoop:
         self.pacer.record(sent - now, sent)
         if self.pacer.interval != interval:
             logger.info("streamed responses now carry up to %d tokens", self.pacer.interval)
-            self._observe(self.observer.on_stream_interval if self.observer else None, self.pacer.interval)
+            self._observe(self.observer.on_stream_interval, self.pacer.interval)
         self._poll_cancellations(now)
         if ready or busy:  # metrics while serving, and their final values once idle
-            self._observe(self.observer.on_step if self.observer else None, self.engine, now, not ready)
+            self._observe(self.observer.on_step, self.engine, now, not ready)
         return bool(ready), done
 
     def _take_ready(self) -> list[Delivery]:
@@ -401,7 +405,7 @@ class EngineLoop:
             self._fail(job, *delivery.error)
             return
         assert out is not None
-        self._observe(self.observer.on_output if self.observer else None, job, out, now)
+        self._observe(self.observer.on_output, job, out, now)
         if out.finished and out.finish_reason == "error":
             self._fail(job, out.error or "model step failed", ErrorKind.INTERNAL)
             return
@@ -414,11 +418,7 @@ class EngineLoop:
         except Exception:  # formatting this request's response failed: end it alone
             logger.exception("sending the output of %s failed", job.request_id)
             if not out.finished:
-                with self._outbox_cond:
-                    self._to_abort.add(job.request_id)
-                    self._watched.pop(job.request_id, None)
-                with self._cond:
-                    self._cond.notify_all()
+                self._request_abort([job])
             self._fail(job, "internal error while formatting the response", ErrorKind.INTERNAL)
 
     def _poll_cancellations(self, now: float) -> None:
@@ -443,18 +443,20 @@ class EngineLoop:
                 logger.exception("is_cancelled() failed for %s", job.request_id)
                 cancelled.append(job)
         if cancelled:
-            with self._outbox_cond:
-                for job in cancelled:
-                    self._to_abort.add(job.request_id)
-                    self._watched.pop(job.request_id, None)
-            with self._cond:
-                self._cond.notify_all()
+            self._request_abort(cancelled)
+
+    def _request_abort(self, jobs: list[Job]) -> None:
+        """Hand `jobs` to the engine thread to abort (their final outputs come back as usual); stop watching them."""
+        with self._outbox_cond:
+            for job in jobs:
+                self._to_abort.add(job.request_id)
+                self._watched.pop(job.request_id, None)
+        with self._cond:
+            self._cond.notify_all()
 
     @staticmethod
-    def _observe(hook: Callable[..., None] | None, *args: object) -> None:
+    def _observe(hook: Callable[..., None], *args: object) -> None:
         """Metrics must never break serving."""
-        if hook is None:
-            return
         try:
             hook(*args)
         except Exception:

@@ -20,7 +20,6 @@ class StreamPacer:
     min_interval: int = 1
     max_interval: int = 16
     interval: int = field(init=False)
-    adjustments: int = field(default=0, init=False)  # how often the interval changed (for tests and logs)
     _busy_s: float = field(default=0.0, init=False)
     _window_start: float | None = field(default=None, init=False)
 
@@ -41,10 +40,8 @@ class StreamPacer:
         if elapsed < ADJUST_EVERY_S:
             return
         share = self._busy_s / elapsed
-        before = self.interval
         if share > BUSY_HIGH:
             self.interval = min(self.max_interval, self.interval * 2)
         elif share < BUSY_LOW:
             self.interval = max(self.min_interval, self.interval // 2)
-        self.adjustments += self.interval != before
         self._busy_s, self._window_start = 0.0, now

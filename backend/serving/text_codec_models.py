@@ -36,8 +36,7 @@ def _error(pb_utils: Any, message: str) -> Any:
 def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of `text`, or of `text` as the user turn of the chat template."""
     if chat:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        return tokenizer.encode(tokenizer.user_turn(text), add_special_tokens=False)
     return tokenizer.encode(text)
 
 

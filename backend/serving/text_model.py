@@ -53,12 +53,6 @@ class TextSink(TritonSink):
         self._send(self.pb.InferenceResponse(output_tensors=tensors), final=out.finished)
 
 
-def chat_prompt(tokenizer: Any, text: str) -> str:
-    """`text` as the user turn of the model's chat template, ready for the assistant's reply. Raises
-    ValueError when the model has no template."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-
-
 class TritonPythonModel(EngineModel[TextRequest]):
     """Triton's entry points: initialize, execute (validate + enqueue only), finalize."""
 
@@ -75,7 +69,7 @@ class TritonPythonModel(EngineModel[TextRequest]):
     def parse(self, request: Any) -> TextRequest:
         parsed = parse_text_request(read_inputs(self.pb, request, self.input_names), self._parameters(request))
         if parsed.apply_chat_template:
-            parsed.prompt = chat_prompt(self.engine.tokenizer, parsed.prompt or "")
+            parsed.prompt = self.engine.tokenizer.user_turn(parsed.prompt or "")
         return parsed
 
     def make_sink(self, sender: Any, parsed: TextRequest) -> TritonSink:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from abc import ABC, abstractmethod
 from functools import partial
 from itertools import count
 from pathlib import Path
@@ -26,20 +27,20 @@ from tritium.backend.serving.triton_sink import TritonSink, parse_or_reject
 R = TypeVar("R", bound=EngineRequest)
 
 
-class EngineModel(Generic[R]):
+class EngineModel(ABC, Generic[R]):
     """Triton's entry points for a decoupled engine model: execute only parses and submits."""
 
     request_id_prefix: ClassVar[str] = "req"
     default_timeout_s: ClassVar[float | None] = None  # when model.json sets no request_timeout_s (or 0)
 
+    @abstractmethod
     def parse(self, request: Any) -> R:
         """The request's EngineRequest; raises ValueError naming the field and the rule. Runs on Triton's
         execute thread: no tokenizing here (the loop's tokenizer thread does it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def make_sink(self, sender: Any, parsed: R) -> TritonSink:
         """The sink that sends this request's responses."""
-        raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
         import triton_python_backend_utils as pb_utils
