@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup serve run test lint bench soak clean
+.PHONY: setup serve run test lint bench soak gpu-check gpu-check-smoke clean
 
 setup: $(VENV)/.installed
 	$(BIN)/tritium models --prepare
@@ -37,6 +37,15 @@ bench: setup
 soak: setup
 	TRITIUM_SOAK_SECONDS=$${TRITIUM_SOAK_SECONDS:-600} TRITIUM_SOAK_REPORT=bench_results/soak.json \
 		$(BIN)/python -m pytest tests/test_load.py -m soak -s
+
+# On a CUDA GPU, ~5 minutes: kernels vs references, greedy parity, sync-free decode steps, kernel and throughput
+# benchmarks and the performance goals; results in bench_results/gpu_check/ (gpu_check.json, gpu_check.png).
+gpu-check: setup
+	$(BIN)/tritium gpu-check
+
+# The same steps on a CPU with tiny shapes (the Triton interpreter): checks the script itself.
+gpu-check-smoke: setup
+	TRITON_INTERPRET=1 $(BIN)/tritium gpu-check --smoke
 
 clean:
 	rm -rf $(VENV) build *.egg-info

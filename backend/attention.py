@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,7 @@ class AttentionMetadata:
     prefill rows (several query tokens per sequence, the last ones of each context).
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens] int32
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
     decode_seq_lens: torch.Tensor  # [num_decode] int32
@@ -32,25 +32,6 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefill_seqs + 1] int32, relative to the prefill rows
     prefill_seq_lens: torch.Tensor  # [num_prefill_seqs] int32
     prefill_max_query_len: int = 0  # longest query run among the prefill sequences
-
-
-@dataclass
-class StepLayout:
-    """Where one step's packed tokens go, as plain lists (the model runner's side): decode sequences first,
-    then prefill chunks."""
-
-    slot_mapping: list[int] = field(default_factory=list)
-    decode_block_tables: list[list[int]] = field(default_factory=list)
-    decode_seq_lens: list[int] = field(default_factory=list)
-    prefill_block_tables: list[list[int]] = field(default_factory=list)
-    prefill_query_lens: list[int] = field(default_factory=list)
-    prefill_seq_lens: list[int] = field(default_factory=list)
-
-
-def _block_table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width)
 
 
 class AttentionBackend:
@@ -63,22 +44,6 @@ class AttentionBackend:
         self.rms_norm = ops.rms_norm
         self.rotary_embedding = ops.rotary_embedding
         self.silu_and_mul = ops.silu_and_mul
-
-    def build_metadata(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
-        """The kernels' view of a step: block tables padded to a rectangle, cumulative query lengths."""
-        cu_seqlens = [0]
-        for n in layout.prefill_query_lens:
-            cu_seqlens.append(cu_seqlens[-1] + n)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.int64, device=device),
-            num_decode_tokens=len(layout.decode_seq_lens),
-            decode_block_tables=_block_table_tensor(layout.decode_block_tables, device),
-            decode_seq_lens=torch.tensor(layout.decode_seq_lens, dtype=torch.int32, device=device),
-            prefill_block_tables=_block_table_tensor(layout.prefill_block_tables, device),
-            prefill_cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-            prefill_seq_lens=torch.tensor(layout.prefill_seq_lens, dtype=torch.int32, device=device),
-            prefill_max_query_len=max(layout.prefill_query_lens, default=0),
-        )
 
     def attention(
         self,

@@ -25,6 +25,8 @@ class EngineConfig:
     weights and the activations of a max_num_batched_tokens forward pass are counted
     (see memory_budget.py). A set kv_cache_bytes wins. max_model_len None is the model's own; the KV
     cache must hold one sequence of max_model_len tokens or the engine refuses to start.
+    enforce_eager False runs decode steps through the CUDA-graph path (captured per batch-size bucket on
+    CUDA; on a CPU the same padded static buffers run eagerly), True never does, None picks graphs on CUDA.
     """
 
     model: str | None = None
@@ -40,6 +42,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    enforce_eager: bool | None = None  # None: CUDA graphs for decode steps on CUDA, eager elsewhere
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

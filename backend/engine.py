@@ -25,7 +25,7 @@ from tritium.backend.models.config import ModelConfig, check_attention_backend
 from tritium.backend.models.loader import load_model
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.output_processor import OutputProcessor
-from tritium.backend.sampler import Sampler, SamplerOutput
+from tritium.backend.sampler import Sampler, SamplerOutput, stage_random_rows
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.scheduler import Scheduler, SchedulerOutput
 from tritium.backend.sequence import Sequence
@@ -55,6 +55,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.torch_device()
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)  # this thread's kernels, graphs and allocations go there
         self.dtype = config.torch_dtype(self.device)
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer(self.model_path)
@@ -67,22 +71,26 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         num_blocks = self._num_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype, self.device)
+        use_graphs = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
+        self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype, self.device,
+                                  config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, use_graphs)
         self.eos_token_ids = list(model.config.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             StopChecker(self.eos_token_ids),
         )
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = count()
         self._pending: list[RequestOutput] = []
         self.faults = FaultInjector.from_env()
+        self.warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
         logger.info(
-            "tritium engine: %s, %s on %s, %s attention, %d KV blocks of %d tokens",
+            "tritium engine: %s, %s on %s, %s attention, %d KV blocks of %d tokens, %s; warm-up %.2f s",
             self.model_path, self.dtype, self.device, backend.name, num_blocks, config.block_size,
+            f"decode graphs for batch sizes {self.runner.graphs.buckets}" if use_graphs else "eager", self.warm_up_s,
         )
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
@@ -198,6 +206,8 @@ class LLMEngine:
         if not batch.scheduled:
             return outputs
         t_model = time.perf_counter()
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)  # the current device is per thread: the serving loop steps here
         sampled = self._execute(batch)
         t_update = time.perf_counter()
         if sampled is None:  # the forward pass failed: fail only the requests of this step; the engine goes on
@@ -221,15 +231,23 @@ class LLMEngine:
 
     def _execute(self, batch: SchedulerOutput) -> SamplerOutput | None:
         """The forward pass and sampling; None when the forward pass failed (logged)."""
+        staging = self.runner.staging
         try:
             self.faults.check(s.seq.prompt for s in batch.scheduled)
-            logits = self.runner.run(batch.scheduled)
+            staging.begin()
+            step = self.runner.prepare(batch.scheduled)
+            random = stage_random_rows(staging, batch.sampling)
+            staging.upload()
+            logits = self.runner.execute(step)
         except Exception:
             logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
             return None
+        finally:
+            for seq in batch.preempted:
+                self.runner.release(seq.request_id)
         if not batch.sampling:
             return SamplerOutput([], [], [])
-        return self.sampler(logits, batch.sampling)
+        return self.sampler(logits, batch.sampling, random.tensors(staging) if random is not None else None)
 
     def _process(self, seq: Sequence, token: int | None, logprobs: dict[int, float] | None,
                  error: str | None) -> RequestOutput:
@@ -256,3 +274,4 @@ class LLMEngine:
     def _forget(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
         self.sampler.remove_request(seq.request_id)
+        self.runner.release(seq.request_id)

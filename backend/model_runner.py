@@ -1,14 +1,29 @@
-"""Owns the model and the KV cache; turns a scheduled step into one packed forward pass."""
+"""Owns the model and the KV cache; turns a scheduled step into one packed forward pass.
+
+A step's inputs go through the staging buffer (staging.py: one host-to-device copy) and the device block
+tables (block_tables.py: incremental). Decode-only steps of up to `max_num_seqs` sequences run padded to a
+batch-size bucket on fixed views of the staging buffer, so that on CUDA a graph captured per bucket at start
+replays them (decode_graphs.py); mixed and prefill steps run eagerly.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
-from tritium.backend.attention import AttentionBackend, AttentionMetadata, StepLayout
+from tritium.backend.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.block_tables import DeviceBlockTables
+from tritium.backend.decode_graphs import DecodeGraphs, graph_buckets
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.scheduler import ScheduledSequence
+from tritium.backend.staging import StagingBuffer
+from tritium.kernels.warmup import EngineShape
+from tritium.kernels.warmup import warm_up as warm_up_kernels
+
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -18,11 +33,27 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 
 @dataclass
-class PreparedBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logit_rows: torch.Tensor  # row of each sampling sequence's last token, in scheduled order
+class PreparedStep:
+    """Where one step's inputs lie in the staging buffer, and the sizes the launch needs from the host."""
+
+    num_tokens: int  # packed rows run through the model (a decode bucket's padding included)
+    input_ids: slice
+    positions: slice
+    slots: slice
+    num_decode: int
+    decode_rows: slice  # rows of the device block tables
+    decode_seq_lens: slice
+    decode_width: int  # block-table columns the decode rows need
+    prefill_rows: slice
+    prefill_cu_seqlens: slice
+    prefill_seq_lens: slice
+    prefill_width: int
+    max_query_len: int
+    logit_rows: slice  # packed row of each sampling sequence's last token, in scheduled order
+    num_logit_rows: int
+    update_index: slice
+    update_value: slice
+    bucket: int | None = None  # the decode graph this step replays
 
 
 class ModelRunner:
@@ -34,6 +65,10 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        use_graphs: bool,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -45,15 +80,33 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(c.num_hidden_layers)
         ]
+        width = -(-max_model_len // block_size)
+        self.block_tables = DeviceBlockTables(max_num_seqs, width, device)
+        # A step carries at most max_num_batched_tokens, or one whole prompt when chunked prefill is off.
+        seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs, max_model_len)
+        # ids, positions, slots; decode and prefill rows/lengths; logit rows; table updates (a step may rewrite
+        # every scheduled row); the sampler's four per-row settings and its random-row list.
+        capacity = 3 * tokens + 8 * seqs + 1 + 2 * seqs * width + 5 * seqs
+        self.staging = StagingBuffer(capacity, device)
+        self.graphs = DecodeGraphs(graph_buckets(max_num_seqs) if use_graphs else [], device)
 
-    def prepare(self, batch: list[ScheduledSequence]) -> PreparedBatch:
-        """Pack the step: decode rows (one new token) first, then prefill chunks."""
+    def release(self, request_id: str) -> None:
+        """Forget a finished or preempted request's block-table row."""
+        self.block_tables.release(request_id)
+
+    def prepare(self, batch: list[ScheduledSequence]) -> PreparedStep:
+        """Stage the step (decode rows, one new token each, first; then prefill chunks). Call
+        `staging.begin()` before and `staging.upload()` after (the sampler stages its settings in between)."""
         bs = self.block_size
-        layout = StepLayout()
-        slots = layout.slot_mapping
+        st = self.staging
+        tables = self.block_tables
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_lens: list[int] = []
         last_row: dict[int, int] = {}  # id(scheduled) -> its last packed row
+        decode_width = 0
         for s in batch:  # decode rows: one token at position num_computed_tokens
             if s.num_new_tokens != 1:
                 continue
@@ -63,8 +116,13 @@ class ModelRunner:
             input_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            layout.decode_block_tables.append(seq.block_table)
-            layout.decode_seq_lens.append(pos + 1)
+            decode_rows.append(tables.row(seq))
+            decode_lens.append(pos + 1)
+            decode_width = max(decode_width, pos // bs + 1)
+        prefill_rows: list[int] = []
+        cu_seqlens = [0]
+        prefill_lens: list[int] = []
+        prefill_width = 0
         for s in batch:
             if s.num_new_tokens == 1:
                 continue
@@ -75,24 +133,109 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[id(s)] = len(input_ids) - 1
-            layout.prefill_block_tables.append(table)
-            layout.prefill_query_lens.append(s.num_new_tokens)
-            layout.prefill_seq_lens.append(end)
-        dev = self.device
-        rows = [last_row[id(s)] for s in batch if s.samples]
-        return PreparedBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=self.backend.build_metadata(layout, dev),
-            logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            prefill_rows.append(tables.row(seq))
+            cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
+            prefill_lens.append(end)
+            prefill_width = max(prefill_width, -(-end // bs))
+        num_decode = len(decode_rows)
+        bucket = self.graphs.bucket_for(num_decode) if num_decode == len(batch) else None
+        pad = bucket or 0
+        if bucket is not None:  # the graph reads fixed columns: padding rows attend to one key of the zero row
+            decode_width = tables.width
+        index, value = tables.take_updates()
+        return PreparedStep(
+            num_tokens=max(len(input_ids), pad),
+            input_ids=st.put(input_ids, pad),
+            positions=st.put(positions, pad),
+            slots=st.put(slots, pad, fill=-1),
+            num_decode=max(num_decode, pad),
+            decode_rows=st.put(decode_rows, pad, fill=tables.padding_row),
+            decode_seq_lens=st.put(decode_lens, pad, fill=1),
+            decode_width=decode_width,
+            prefill_rows=st.put(prefill_rows),
+            prefill_cu_seqlens=st.put(cu_seqlens),
+            prefill_seq_lens=st.put(prefill_lens),
+            prefill_width=prefill_width,
+            max_query_len=max((cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(prefill_lens))), default=0),
+            logit_rows=st.put([last_row[id(s)] for s in batch if s.samples]),
+            num_logit_rows=sum(1 for s in batch if s.samples),
+            update_index=st.put(index),
+            update_value=st.put(value),
+            bucket=bucket,
         )
 
+    def metadata(self, step: PreparedStep) -> AttentionMetadata:
+        """The kernels' view of a staged step (device ops only: gathers of the block-table rows)."""
+        st, table = self.staging, self.block_tables.tensor
+        return AttentionMetadata(
+            slot_mapping=st.ints(step.slots),
+            num_decode_tokens=step.num_decode,
+            decode_block_tables=table.index_select(0, st.ints(step.decode_rows))[:, : step.decode_width],
+            decode_seq_lens=st.ints(step.decode_seq_lens),
+            prefill_block_tables=table.index_select(0, st.ints(step.prefill_rows))[:, : step.prefill_width],
+            prefill_cu_seqlens_q=st.ints(step.prefill_cu_seqlens),
+            prefill_seq_lens=st.ints(step.prefill_seq_lens),
+            prefill_max_query_len=step.max_query_len,
+        )
+
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """Hidden states of the staged step's packed rows (what a decode graph captures)."""
+        st = self.staging
+        return self.model(st.ints(step.input_ids), st.ints(step.positions), self.kv_caches,
+                          self.metadata(step), self.backend)
+
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSequence]) -> torch.Tensor:
-        """fp32 logits on the CPU, one row per sequence that samples this step (scheduled order)."""
-        prepared = self.prepare(batch)
-        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta, self.backend)
-        if prepared.logit_rows.numel() == 0:
-            return torch.empty(0, self.model.config.vocab_size)
-        logits = self.model.compute_logits(hidden[prepared.logit_rows])
-        return logits.cpu()
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        """fp32 logits on the model's device, one row per sequence that samples this step (scheduled
+        order). The staged inputs must be uploaded."""
+        st = self.staging
+        self.block_tables.apply(st.ints(step.update_index), st.ints(step.update_value))
+        if step.bucket is not None:
+            hidden = self.graphs.run(step.bucket, lambda: self.forward(step))
+        else:
+            hidden = self.forward(step)
+        if step.num_logit_rows == 0:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, st.ints(step.logit_rows)))
+
+    @torch.inference_mode()
+    def warm_up(self, max_prefill_tokens: int) -> float:
+        """Launch everything the engine will launch before serving, so nothing compiles while it serves: every
+        Triton kernel variant (kernels/warmup.py), a prefill, a mixed step, and each decode bucket (captured as
+        a CUDA graph on CUDA). Writes no KV (slots -1). Returns the seconds taken."""
+        t0 = time.perf_counter()
+        if self.backend.name == "triton":  # every kernel variant, each decode split count included
+            c = self.model.config
+            shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
+                                c.intermediate_size, self.model.cos_sin_cache.shape[-1], self.block_size,
+                                self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32)
+            warm_up_kernels(self.backend.ops, shape)
+        sizes = {1, max(2, min(max_prefill_tokens, 64)), max_prefill_tokens} if self.device.type == "cuda" else {1}
+        for tokens in sorted(sizes):
+            self.execute(self._dummy_step(num_decode=0, prefill_tokens=tokens))
+        self.execute(self._dummy_step(num_decode=1, prefill_tokens=2))
+        for bucket in sorted(self.graphs.buckets, reverse=True):  # largest first: later graphs reuse its pool
+            step = self._dummy_step(num_decode=bucket, prefill_tokens=0)
+            self.graphs.capture(bucket, lambda step=step: self.forward(step))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _dummy_step(self, num_decode: int, prefill_tokens: int) -> PreparedStep:
+        """A staged and uploaded step whose sequences all use the zero padding row and write nothing."""
+        st, pad_row = self.staging, self.block_tables.padding_row
+        st.begin()
+        tokens = num_decode + prefill_tokens
+        prefill = [prefill_tokens] if prefill_tokens else []
+        bucket = num_decode if num_decode and not prefill_tokens and num_decode in self.graphs.buckets else None
+        step = PreparedStep(
+            num_tokens=tokens, input_ids=st.put([0] * tokens), positions=st.put([0] * tokens),
+            slots=st.put([-1] * tokens), num_decode=num_decode, decode_rows=st.put([pad_row] * num_decode),
+            decode_seq_lens=st.put([1] * num_decode), decode_width=self.block_tables.width if bucket else 1,
+            prefill_rows=st.put([pad_row] * len(prefill)), prefill_cu_seqlens=st.put([0, *prefill]),
+            prefill_seq_lens=st.put(prefill), prefill_width=-(-prefill_tokens // self.block_size),
+            max_query_len=prefill_tokens, logit_rows=st.put([tokens - 1]), num_logit_rows=1,
+            update_index=st.put([]), update_value=st.put([]), bucket=bucket,
+        )
+        st.upload()
+        return step

@@ -4,6 +4,10 @@ Order: logprobs of the raw distribution (when asked), penalties, min_tokens mask
 argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling draws exponential noise E and
 takes argmax(p / E), which samples from p; a seeded request draws its noise from its own generator
 so its text does not depend on what else is in the batch (the sampler keeps those generators by request id).
+
+Everything runs on the logits' device: the random rows' settings come staged with the step's other inputs
+(`stage`), and only the sampled ids (plus the logprobs asked for) come back to the host. Penalties and
+min_tokens bans, which only some requests ask for, build their index tensors per step.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from tritium.backend.sequence import Sequence
+from tritium.backend.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
+INT32_MAX = 2**31 - 1
 NO_TOKEN = ("no token can be sampled: every token is banned (min_tokens with stop_token_ids) or the model's "
             "logits are not finite")
 
@@ -37,12 +43,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for row, seq in enumerate(seqs):
         p = seq.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long).to(logits.device, non_blocking=True)
             seen = seen[seen < vocab]
             vals = logits[row, seen]
             logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and seq.num_output_tokens:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long)
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
             out = out[out < vocab]
             counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -70,12 +76,12 @@ def row_max(logits: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torc
     with indices is not."""
     rows, vocab = logits.shape
     main = vocab - vocab % chunk
-    if rows < 4 or main == 0:
+    if rows < 4 or main == 0 or logits.device.type != "cpu":
         values, indices = logits.max(dim=-1)
         return values, indices
     blocks = logits[:, :main].view(rows, main // chunk, chunk)
     best, block = blocks.amax(dim=-1).max(dim=-1)
-    tokens = blocks[torch.arange(rows), block].argmax(dim=-1) + block * chunk
+    tokens = blocks.gather(1, block.view(rows, 1, 1).expand(rows, 1, chunk)).squeeze(1).argmax(dim=-1) + block * chunk
     if main < vocab:
         tail_best, tail_token = logits[:, main:].max(dim=-1)
         better = (tail_best > best) | (tail_best.isnan() & ~best.isnan())
@@ -90,28 +96,93 @@ def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+@dataclass
+class RandomRows:
+    """The rows of a batch that sample at random, and their settings as device tensors."""
+
+    rows: list[int]
+    index: torch.Tensor  # [R] int32, the same rows
+    temperature: torch.Tensor  # [R] fp32
+    top_k: torch.Tensor  # [R] int32, <= 0: off
+    top_p: torch.Tensor  # [R] fp32, 1: off
+    min_p: torch.Tensor  # [R] fp32, 0: off
+    use_top_k_top_p: bool
+    use_min_p: bool
+
+
+@dataclass
+class StagedRandomRows:
+    """Where `stage` put the random rows' settings in the staging buffer (device views exist after upload)."""
+
+    rows: list[int]
+    where: tuple[slice, slice, slice, slice, slice]
+    use_top_k_top_p: bool
+    use_min_p: bool
+
+    def tensors(self, staging: StagingBuffer) -> RandomRows:
+        index, temperature, top_k, top_p, min_p = self.where
+        return RandomRows(self.rows, staging.ints(index), staging.floats(temperature), staging.ints(top_k),
+                          staging.floats(top_p), staging.floats(min_p), self.use_top_k_top_p, self.use_min_p)
+
+
+def _settings(seqs: list[Sequence]) -> tuple[list[int], list[float], list[int], list[float], list[float]]:
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    params = [seqs[i].params for i in rows]
+    top_k = [max(-1, min(p.top_k, INT32_MAX)) for p in params]  # any top_k >= vocab keeps every token
+    return rows, [p.temperature for p in params], top_k, [p.top_p for p in params], [p.min_p for p in params]
+
+
+def stage_random_rows(staging: StagingBuffer, seqs: list[Sequence]) -> StagedRandomRows | None:
+    """Put the random rows' settings into this step's staging buffer; None when every row is greedy."""
+    rows, temperature, top_k, top_p, min_p = _settings(seqs)
+    if not rows:
+        return None
+    where = (staging.put(rows), staging.put_floats(temperature), staging.put(top_k), staging.put_floats(top_p),
+             staging.put_floats(min_p))
+    return StagedRandomRows(rows, where, any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+                            any(p > 0 for p in min_p))
+
+
+def random_rows_on(device: torch.device, seqs: list[Sequence]) -> RandomRows | None:
+    """`stage_random_rows` without a staging buffer (tests, and sampling a row alone after a failure)."""
+    rows, temperature, top_k, top_p, min_p = _settings(seqs)
+    if not rows:
+        return None
+
+    def on(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    return RandomRows(rows, on(rows, torch.int32), on(temperature, torch.float32), on(top_k, torch.int32),
+                      on(top_p, torch.float32), on(min_p, torch.float32),
+                      any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p), any(p > 0 for p in min_p))
+
+
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = eos_token_ids
-        self.generator = torch.Generator().manual_seed(seed)
-        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
 
     def add_request(self, request_id: str, seed: int | None) -> None:
         if seed is not None:
-            self.generators[request_id] = torch.Generator().manual_seed(seed)
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """`logits` `[len(seqs), vocab]` fp32 on CPU; one token per sequence. Sampled as one batch; if
-        that raises, each sequence is sampled alone (seeded generators rewound first), so a sequence whose
-        own sampling fails gets an error and every other one the token it would have got anyway."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], random: RandomRows | None = None) -> SamplerOutput:
+        """`logits` `[len(seqs), vocab]` fp32 on the sampler's device; one token per sequence. `random`: the
+        random rows' settings as staged for this step (built here when None). Sampled as one batch; if that
+        raises, each sequence is sampled alone (seeded generators rewound first), so a sequence whose own
+        sampling fails gets an error and every other one the token it would have got anyway."""
         gens = [self.generators.get(s.request_id) for s in seqs]
         states = [g.get_state() if g is not None else None for g in gens]
         try:
-            return self._sample_batch(logits, seqs)
+            if random is None:
+                random = random_rows_on(logits.device, seqs)
+            return self._sample_batch(logits, seqs, random)
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling each sequence alone", len(seqs))
         out = SamplerOutput([], [], [])
@@ -119,7 +190,7 @@ class Sampler:
             if gen is not None and state is not None:
                 gen.set_state(state)
             try:
-                one = self._sample_batch(logits[row : row + 1], [seq])
+                one = self._sample_batch(logits[row : row + 1], [seq], random_rows_on(logits.device, [seq]))
             except Exception:
                 logger.exception("sampling failed for %s", seq.request_id)
                 one = SamplerOutput([None], [None], ["internal error while sampling this request's token"])
@@ -128,8 +199,7 @@ class Sampler:
             out.errors += one.errors
         return out
 
-    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], random: RandomRows | None) -> SamplerOutput:
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
         penalized = any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
@@ -147,49 +217,49 @@ class Sampler:
         # The row maximum is NaN if any logit is (max propagates NaN), +inf for a broken row and -inf when
         # every token is banned: a row whose maximum is not finite has no token to give.
         best, tokens = row_max(logits)
-        samplable = torch.isfinite(best)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if random_rows:
-            tokens[random_rows] = self._sample(seqs, random_rows, logits[random_rows])
-        token_list: list[int | None] = tokens.tolist()
-        errors: list[str | None] = [None if ok else NO_TOKEN for ok in samplable.tolist()]
-        for row, error in enumerate(errors):
-            if error is not None:
-                token_list[row] = None
+        if random is not None:
+            tokens.index_put_((random.index,), self._sample(seqs, random, logits.index_select(0, random.index)))
+        tokens = torch.where(torch.isfinite(best), tokens, -1)
+        token_list: list[int | None] = [t if t >= 0 else None for t in tokens.tolist()]  # the step's one fetch
+        errors: list[str | None] = [None if t is not None else NO_TOKEN for t in token_list]
+        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if raw_logprobs is not None:
-            for j, row in enumerate(want_logprobs):
-                token = token_list[row]
-                if token is None:
-                    continue
-                n = seqs[row].params.logprobs or 0
-                entry = {token: float(raw_logprobs[j, token])}
-                if n:
-                    top = raw_logprobs[j].topk(n)
-                    for tid, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                        entry.setdefault(tid, lp)
-                logprobs[row] = entry
+            self._fill_logprobs(logprobs, raw_logprobs, want_logprobs, token_list, seqs)
         return SamplerOutput(token_list, logprobs, errors)
 
-    def _sample(self, all_seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
-        seqs = [all_seqs[i] for i in rows]
-        vocab = logits.shape[-1]
-        temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
-        logits = logits / temps[:, None]
-        top_k = torch.tensor([min(s.params.top_k, vocab) for s in seqs])
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
-        if bool((top_k > 0).any() or (top_p < 1.0).any()):
-            logits = filter_top_k_top_p(logits, top_k, top_p)
-        min_p = torch.tensor([s.params.min_p for s in seqs], dtype=logits.dtype)
-        if bool((min_p > 0).any()):
-            logits = filter_min_p(logits, min_p)
+    @staticmethod
+    def _fill_logprobs(logprobs: list[dict[int, float] | None], raw: torch.Tensor, rows: list[int],
+                       tokens: list[int | None], seqs: list[Sequence]) -> None:
+        """Each asking row's sampled token's logprob and its top-n, fetched in one copy."""
+        chosen = torch.tensor([tokens[r] or 0 for r in rows], dtype=torch.long).to(raw.device)
+        n = max(seqs[r].params.logprobs or 0 for r in rows)
+        parts = [raw.gather(1, chosen[:, None])]
+        if n:
+            top = raw.topk(n, dim=-1)
+            parts += [top.values, top.indices.to(raw.dtype)]
+        fetched = torch.cat(parts, dim=1).tolist()
+        for j, row in enumerate(rows):
+            token = tokens[row]
+            if token is None:
+                continue
+            values = fetched[j]
+            entry = {token: values[0]}
+            k = seqs[row].params.logprobs or 0
+            for lp, tid in zip(values[1 : 1 + k], values[1 + n : 1 + n + k], strict=True):
+                entry.setdefault(int(tid), lp)
+            logprobs[row] = entry
+
+    def _sample(self, seqs: list[Sequence], random: RandomRows, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits / random.temperature[:, None]
+        if random.use_top_k_top_p:
+            logits = filter_top_k_top_p(logits, random.top_k, random.top_p)
+        if random.use_min_p:
+            logits = filter_min_p(logits, random.min_p)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        gens = [self.generators.get(s.request_id) for s in seqs]
-        unseeded = [i for i, g in enumerate(gens) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_(generator=self.generator)
-        for i, g in enumerate(gens):
-            if g is not None:
-                noise[i].exponential_(generator=g)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(random.rows):
+            gen = self.generators.get(seqs[row].request_id)
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
         # A zero draw would turn a zero probability into NaN, which argmax picks.
         return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)

@@ -42,6 +42,20 @@ class DecodePoint:
     peak_gbs: float | None
 
 
+@dataclass
+class KernelMeasurements:
+    device: str
+    dtype: str
+    peak_gbs: float | None
+    prefill: list[PrefillPoint]
+    decode: list[DecodePoint]
+    not_measured: list[str]  # shapes left out when the time budget ran out
+
+
+SMOKE_PREFILL_GRID = [(64, 1, 32), (64, 1, 64)]
+SMOKE_DECODE_GRID = [(64, 1, 64), (64, 2, 64)]
+
+
 def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
     if smoke:
         t0 = time.perf_counter()
@@ -60,10 +74,11 @@ def peak_bandwidth(name: str) -> float | None:
 
 
 def paged_cache(lengths: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-                block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random K/V caches holding every sequence, with blocks scattered by a permutation."""
+                block_size: int = 16, spare_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches holding every sequence (plus `spare_blocks` unused ones), with blocks scattered by a
+    permutation, and the block tables."""
     blocks = [-(-n // block_size) for n in lengths]
-    total = sum(blocks)
+    total = sum(blocks) + spare_blocks
     key_cache = torch.randn(total, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     value_cache = torch.randn_like(key_cache)
     perm = torch.randperm(total, device=device).to(torch.int32)
@@ -84,7 +99,8 @@ def bench_prefill(ops, device: str, dtype: torch.dtype, head_dim: int, batch: in
     cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
     lens = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
-    ms = _time_ms(lambda: ops.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale), smoke)
+    # max_query_len given: no device sync inside the timed call (SDPA has none either)
+    ms = _time_ms(lambda: ops.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, seqlen), smoke)
     flops = 4 * batch * heads * seqlen * seqlen * head_dim / 2  # causal: half the score matrix
     sdpa = None
     if device == "cuda":
@@ -150,27 +166,48 @@ def plot(prefill: list[PrefillPoint], decode: list[DecodePoint], path: Path, tit
     plt.close(fig)
 
 
-def run_kernel_benchmark(out_dir: str = "bench_results", smoke: bool = False) -> dict:
-    """Run the grid, print tables, write JSON + PNG. Raises RuntimeError without CUDA (unless smoke)."""
+def measure_kernels(prefill_grid: list[tuple[int, int, int]], decode_grid: list[tuple[int, int, int]],
+                    smoke: bool = False, budget_s: float | None = None) -> KernelMeasurements:
+    """Time the Triton kernels on each (head_dim, batch, seqlen) prefill and (head_dim, batch, context)
+    decode shape: bf16 on CUDA, fp32 under the interpreter when `smoke`. With `budget_s`, shapes still
+    waiting when it has run out are left out (listed in `not_measured`). Raises RuntimeError without CUDA
+    (unless smoke)."""
     if smoke:
         device, dtype = "cpu", torch.float32
-        prefill_grid = [(64, 1, 32), (64, 1, 64)]
-        decode_grid = [(64, 1, 64), (64, 2, 64)]
     else:
         if not torch.cuda.is_available():
             raise RuntimeError("the kernel benchmark needs a CUDA GPU (use --smoke to check the script on a CPU)")
         device, dtype = "cuda", torch.bfloat16
-        prefill_grid = [(hd, b, s) for hd in (64, 128) for b, s in
-                        ((1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (4, 2048), (16, 1024))]
-        decode_grid = [(hd, b, c) for hd in (64, 128) for b in (1, 8, 32, 64, 128) for c in (1024, 4096)]
     from tritium.kernels import triton_ops
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
     peak = peak_bandwidth(name) if device == "cuda" else None
-    prefill = [bench_prefill(triton_ops, device, dtype, hd, b, s, smoke)
-               for hd, b, s in tqdm(prefill_grid, desc="prefill", unit="shape")]
-    decode = [bench_decode(triton_ops, device, dtype, hd, b, c, peak, smoke)
-              for hd, b, c in tqdm(decode_grid, desc="decode", unit="shape")]
+    deadline = time.perf_counter() + budget_s if budget_s is not None else None
+    result = KernelMeasurements(name, str(dtype), peak, [], [], [])
+    for hd, b, s in tqdm(prefill_grid, desc="prefill", unit="shape"):
+        if deadline is not None and time.perf_counter() > deadline:
+            result.not_measured.append(f"prefill d={hd} batch={b} seqlen={s}")
+            continue
+        result.prefill.append(bench_prefill(triton_ops, device, dtype, hd, b, s, smoke))
+    for hd, b, c in tqdm(decode_grid, desc="decode", unit="shape"):
+        if deadline is not None and time.perf_counter() > deadline:
+            result.not_measured.append(f"decode d={hd} batch={b} context={c}")
+            continue
+        result.decode.append(bench_decode(triton_ops, device, dtype, hd, b, c, peak, smoke))
+    return result
+
+
+def run_kernel_benchmark(out_dir: str = "bench_results", smoke: bool = False) -> dict:
+    """Run the grid, print tables, write JSON + PNG. Raises RuntimeError without CUDA (unless smoke)."""
+    if smoke:
+        prefill_grid, decode_grid = SMOKE_PREFILL_GRID, SMOKE_DECODE_GRID
+    else:
+        prefill_grid = [(hd, b, s) for hd in (64, 128) for b, s in
+                        ((1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (4, 2048), (16, 1024))]
+        decode_grid = [(hd, b, c) for hd in (64, 128) for b in (1, 8, 32, 64, 128) for c in (1024, 4096)]
+    measured = measure_kernels(prefill_grid, decode_grid, smoke)
+    name, dtype, peak, prefill, decode = (measured.device, measured.dtype, measured.peak_gbs, measured.prefill,
+                                          measured.decode)
     print(f"\n{name}, {dtype}")
     print(f"{'prefill':<8}{'d':>5}{'batch':>7}{'seqlen':>8}{'tritium TF/s':>14}{'SDPA TF/s':>11}{'ratio':>7}")
     for p in prefill:
@@ -183,7 +220,7 @@ def run_kernel_benchmark(out_dir: str = "bench_results", smoke: bool = False) ->
         print(f"{'':<8}{d.head_dim:>5}{d.batch:>7}{d.context:>8}{d.tritium_gbs:>14.0f}{d.torch_gather_gbs:>12.0f}{pct:>8}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": name, "dtype": str(dtype), "peak_gbs": peak,
+    report = {"device": name, "dtype": dtype, "peak_gbs": peak,
               "prefill": [asdict(p) for p in prefill], "decode": [asdict(d) for d in decode]}
     (out / "kernels.json").write_text(json.dumps(report, indent=2))
     plot(prefill, decode, out / "kernels.png", f"tritium kernels on {name}")

@@ -38,8 +38,11 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, first_normal_id: int, see
     return [torch.randint(first_normal_id, vocab, (n_tok,), generator=g).tolist() for n_tok in lengths]
 
 
-def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int) -> tuple[BenchResult, dict]:
-    llm = LLM(None, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int,
+                  **engine_settings: object) -> tuple[BenchResult, dict]:
+    """tritium's continuous batcher on the default model; `engine_settings` are further EngineConfig fields
+    (max_num_batched_tokens defaults to 2048 here)."""
+    llm = LLM(None, max_num_seqs=max_num_seqs, **{"max_num_batched_tokens": 2048, **engine_settings})
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     stats = llm.engine.stats
@@ -59,23 +62,31 @@ def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int) 
     return BenchResult("tritium", sum(len(o.token_ids) for o in outs), seconds), overhead
 
 
-def bench_transformers(prompts: list[list[int]], output_len: int, batch_size: int) -> BenchResult:
+def bench_transformers(prompts: list[list[int]], output_len: int, batch_size: int, device: str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> BenchResult:
+    """transformers' `generate` on the default model in static batches of `batch_size` (left padding),
+    after a short warm-up batch."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(None)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     pad = model.generation_config.pad_token_id or 0
+
+    def generate(batch: list[list[int]], new_tokens: int) -> int:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        return (out.shape[1] - width) * len(batch)
+
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    generate(batches[0], 2)  # warm-up: lazy initialization is not throughput
     total = 0
     t0 = time.perf_counter()
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     for batch in tqdm(batches, desc=f"transformers batch={batch_size}", unit="batch"):
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
-        total += (out.shape[1] - width) * len(batch)
+        total += generate(batch, output_len)
     return BenchResult(f"transformers batch={batch_size}", total, time.perf_counter() - t0)
 
 

@@ -1,4 +1,4 @@
-"""The `tritium` command: models, generate, bench."""
+"""The `tritium` command: models, generate, chat, serve, openai, gpu-check, bench."""
 
 from __future__ import annotations
 
@@ -141,6 +141,12 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
     )
     return 0
+
+
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from tritium.client.gpu_check import main as gpu_check_main
+
+    return gpu_check_main(["--out", args.out, *(["--smoke"] if args.smoke else [])])
 
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
@@ -313,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=256,
                    help="upstream requests in flight (a choice each) beyond which requests get 503 + Retry-After")
     p.set_defaults(func=cmd_openai)
+
+    p = sub.add_parser("gpu-check", help="on a CUDA GPU: kernels, parity, syncs, benchmarks and goals in ~5 minutes")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on the CPU (Triton interpreter): checks the script, not the GPU")
+    p.add_argument("--out", default="bench_results/gpu_check", help="results folder (JSON + PNG)")
+    p.set_defaults(func=cmd_gpu_check)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("offline", help="offline throughput: tritium vs transformers")

@@ -1,167 +1,278 @@
-"""Compile every kernel for real NVIDIA targets without a GPU, and read ptxas' register/spill report.
+"""Compile every kernel variant the engine launches for real NVIDIA targets without a GPU, and read ptxas'
+register/spill report.
 
-`python -m tritium.kernels.compile_check [--arch 80 90] [--json]` builds each kernel for each dtype and
-head size it claims (ASTSource + triton.compile for sm_80 / sm_90), then runs the ptxas shipped in the
-triton wheel with -v on the PTX. Exit status 1 if a kernel fails to compile, or spills registers on
-sm_90 in a configuration the engine uses (bf16/fp16, head_dim 64/128, block_size 16).
-Must run without TRITON_INTERPRET (the interpreter replaces the JIT functions).
+`python -m tritium.kernels.compile_check [--arch 80 90] [--json] [--jobs N]` calls the host wrappers with
+`tiles="gpu"` on the warm-up calls (kernels/warmup.py) of several model shapes and dtypes, records each
+kernel launch instead of running it, and derives what the JIT would build from it on that GPU with
+Triton's own binder (signature, constexprs, the divisible-by-16 and equal-to-1 specialization, honouring
+`do_not_specialize`; num_warps, num_stages). Identical variants are compiled once (ASTSource +
+triton.compile for sm_80 / sm_90), then the ptxas shipped in the triton wheel runs with -v on the PTX.
+Exit status 1 if a variant fails to compile anywhere, or spills registers on sm_90 (sm_80 spills are
+reported). Must run without TRITON_INTERPRET: the interpreter replaces the JIT functions the compiler
+needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+from unittest import mock
 
-DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-HEAD_DIMS = (64, 128, 256)
-ENGINE_DTYPES = ("fp16", "bf16")
-ENGINE_HEAD_DIMS = (64, 128)
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+BLOCK_SIZE = 16
+MAX_BLOCKS_PER_SEQ = 256
 
 
-@dataclass
-class KernelConfig:
+class ModelShape(NamedTuple):
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rotary_dim: int
+
+    def engine_shape(self, dtype: Any, block_size: int, max_blocks_per_seq: int) -> Any:
+        """The warm-up's `EngineShape` of an engine serving this model on CPU tensors."""
+        from tritium.kernels.warmup import EngineShape
+
+        return EngineShape(self.heads, self.kv_heads, self.head_dim, self.hidden, self.intermediate, self.rotary_dim,
+                           block_size, max_blocks_per_seq, dtype)
+
+
+# The default model and Llama/Qwen shapes covering GQA groups 1, 3, 4, 8 at head_dim 64 and 128.
+MODELS = (
+    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 1536, 64),
+    ModelShape("Qwen1.5-0.5B", 1024, 16, 16, 64, 2816, 64),
+    ModelShape("Llama-3.2-1B", 2048, 32, 8, 64, 8192, 64),
+    ModelShape("TinyLlama-1.1B", 2048, 32, 4, 64, 5632, 64),
+    ModelShape("Llama-2-7B", 4096, 32, 32, 128, 11008, 128),
+    ModelShape("Llama-3.2-3B", 3072, 24, 8, 128, 8192, 128),
+    ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 14336, 128),
+    ModelShape("Qwen2.5-3B", 2048, 16, 2, 128, 11008, 128),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: Any  # the JITFunction (or InterpretedFunction under TRITON_INTERPRET=1)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel binary, as the JIT builds it: equal variants are one entry of the JIT's cache."""
+
+    module: str
     kernel: str
-    dtype: str
-    head_dim: int | None
-    signature: dict[str, str]
-    constexprs: dict[str, Any]
-    num_warps: int = 4
-    num_stages: int = 2
+    arch: int
+    signature: tuple[tuple[str, str], ...]  # (name, type); "constexpr" also for ints specialized to 1
+    constexprs: tuple[tuple[tuple[int, ...], Any], ...]  # (argument path, value)
+    attrs: tuple[tuple[tuple[int, ...], tuple[tuple[str, Any], ...]], ...]  # (path, ((attribute, value), ...))
+    options: tuple[tuple[str, Any], ...]
+    divisible_by_16: tuple[str, ...] = field(compare=False)
+    equal_to_1: tuple[str, ...] = field(compare=False)
 
-    @property
-    def used_by_engine(self) -> bool:
-        return self.dtype in ENGINE_DTYPES and (self.head_dim is None or self.head_dim in ENGINE_HEAD_DIMS)
+    def constexpr_values(self) -> dict[str, Any]:
+        names = [name for name, _ in self.signature]
+        return {names[path[0]]: value for path, value in self.constexprs}
+
+    def option(self, name: str) -> Any:
+        return dict(self.options)[name]
 
 
 @dataclass
 class CompileResult:
     kernel: str
-    dtype: str
-    head_dim: int | None
     arch: int
-    ok: bool
+    dtype: str
+    constexprs: dict[str, Any]
+    divisible_by_16: list[str]
+    equal_to_1: list[str]
+    num_warps: int
+    num_stages: int
+    models: list[str]
+    ok: bool = False
     registers: int | None = None
     spill_stores: int | None = None
     spill_loads: int | None = None
-    used_by_engine: bool = False
     error: str | None = None
 
-
-def _sig(names: str, types: str) -> dict[str, str]:
-    return dict(zip(names.split(), types.split(), strict=True))
-
-
-def configs() -> Iterator[KernelConfig]:
-    import torch
-
-    from tritium.kernels.decode_attention import MIN_ROWS, decode_config
-    from tritium.kernels.elementwise import store_kv_rows
-    from tritium.kernels.prefill_attention import prefill_config
-    torch_dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    for dt in DTYPES:
-        p = f"*{dt}"
-        yield KernelConfig("store_kv_kernel", dt, None, _sig(
-            "key_ptr value_ptr key_cache_ptr value_cache_ptr slot_ptr num_tokens stride_key stride_value",
-            f"{p} {p} {p} {p} *i64 i32 i32 i32"), {"ROW": 192, "BLOCK_T": store_kv_rows(256), "BLOCK_ROW": 256})
-        for residual in (False, True):
-            yield KernelConfig("rms_norm_kernel", dt, None, _sig(
-                "x_ptr residual_ptr weight_ptr out_ptr residual_out_ptr num_rows hidden stride_x stride_residual eps",
-                f"{p} {p} {p} {p} {p} i32 i32 i32 i32 fp32"),
-                {"HAS_RESIDUAL": residual, "BLOCK_R": 1, "BLOCK_H": 4096})
-        yield KernelConfig("silu_and_mul_kernel", dt, None, _sig(
-            "x_ptr out_ptr num_rows d stride_x", f"{p} {p} i32 i32 i32"), {"BLOCK_R": 4, "BLOCK_D": 1024})
-        for hd in HEAD_DIMS:
-            yield KernelConfig("rotary_kernel", dt, hd, _sig(
-                "q_ptr k_ptr pos_ptr cache_ptr num_tokens num_heads num_kv_heads stride_qt stride_qh stride_kt "
-                "stride_kh stride_cache", f"{p} {p} *i64 *fp32 i32 i32 i32 i32 i32 i32 i32 i32"),
-                {"HALF": hd // 2, "BLOCK_T": 1, "BLOCK_QH": 32, "BLOCK_KH": 8})
-            block_m, block_n, warps, stages = prefill_config(hd, torch_dtypes[dt])
-            precision = "ieee" if dt == "fp32" else "tf32"
-            decode_block_n, decode_warps = decode_config(hd, torch_dtypes[dt])
-            for group in (1, 8):
-                yield KernelConfig("prefill_attention_kernel", dt, hd, _sig(
-                    "q_ptr k_cache_ptr v_cache_ptr block_tables_ptr cu_seqlens_ptr seq_lens_ptr out_ptr scale_log2e "
-                    "stride_qt stride_qh stride_ot stride_oh stride_cache_block stride_cache_pos stride_bt",
-                    f"{p} {p} {p} *i32 *i32 *i32 {p} fp32 i32 i32 i32 i32 i32 i32 i32"),
-                    {"GROUP": group, "HEAD_DIM": hd, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                     "PAGE": 16, "DOT_PRECISION": precision}, warps, stages)
-                yield KernelConfig("decode_split_kernel", dt, hd, _sig(
-                    "q_ptr k_cache_ptr v_cache_ptr block_tables_ptr seq_lens_ptr partial_out_ptr partial_lse_ptr "
-                    "scale_log2e keys_per_split num_heads num_splits stride_qs stride_qh stride_cache_block "
-                    "stride_cache_pos stride_bt",
-                    f"{p} {p} {p} *i32 *i32 *fp32 *fp32 fp32 i32 i32 i32 i32 i32 i32 i32 i32"),
-                    {"GROUP": group, "ROWS": max(MIN_ROWS, group), "HEAD_DIM": hd,
-                     "BLOCK_N": decode_block_n, "PAGE": 16, "DOT_PRECISION": precision}, decode_warps)
-            yield KernelConfig("decode_reduce_kernel", dt, hd, _sig(
-                "partial_out_ptr partial_lse_ptr out_ptr num_heads num_splits stride_os stride_oh",
-                f"*fp32 *fp32 {p} i32 i32 i32 i32"), {"HEAD_DIM": hd, "SPLITS": 16})
+    @property
+    def failed(self) -> bool:
+        return not self.ok or bool(self.arch == 90 and (self.spill_stores or self.spill_loads))
 
 
-def _kernel_fn(name: str) -> Any:
-    from tritium.kernels import decode_attention, elementwise, prefill_attention
+@contextlib.contextmanager
+def recording(run: bool = False) -> Iterator[list[Launch]]:
+    """Within the block, each `kernel[grid](...)` is appended to the yielded list, and only launched if `run`."""
+    from triton.runtime.jit import KernelInterface
 
-    for module in (elementwise, prefill_attention, decode_attention):
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise KeyError(name)
+    launches: list[Launch] = []
+
+    def getitem(self: Any, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            launches.append(Launch(self, args, kwargs))
+            return self.run(*args, grid=grid, warmup=False, **kwargs) if run else None
+        return launch
+
+    with mock.patch.object(KernelInterface, "__getitem__", getitem):
+        yield launches
 
 
-def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) from `ptxas -v` on `ptx`."""
-    import triton
+def record_calls(model: ModelShape, dtype: torch.dtype) -> list[Launch]:
+    """The kernel launches of the warm-up calls at `model` / `dtype`, made with tiles="gpu" on CPU tensors."""
+    from tritium.kernels import triton_ops
+    from tritium.kernels.warmup import warmup_calls
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    suffix = "a" if arch == 90 else ""
+    calls = warmup_calls(model.engine_shape(dtype, BLOCK_SIZE, MAX_BLOCKS_PER_SEQ))
+    with recording() as launches:
+        for call in calls:
+            getattr(triton_ops, call.op)(*call.args, **call.kwargs, tiles="gpu")
+    return launches
+
+
+class Specializer:
+    """Triton's JIT binder for a CUDA target of `arch`: what `JITFunction.run` computes before compiling."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.arch = arch
+        self.backend = make_backend(GPUTarget("cuda", arch, 32))
+        self._binders: dict[int, tuple[Any, Any]] = {}
+
+    def _jit(self, kernel: Any) -> tuple[Any, Any]:
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        if id(kernel) not in self._binders:
+            jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+            self._binders[id(kernel)] = (jit, create_function_from_signature(jit.signature, jit.params, self.backend))
+        return self._binders[id(kernel)]
+
+    def variant(self, launch: Launch) -> Variant:
+        from triton import knobs
+
+        jit, binder = self._jit(launch.kernel)
+        kwargs = dict(launch.kwargs)
+        kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        bound_args, specialization, options = binder(*launch.args, **kwargs)
+        options, signature, constexprs, attrs = jit._pack_args(self.backend, kwargs, bound_args, specialization,
+                                                               options)
+        names = jit.arg_names
+        return Variant(
+            module=jit.fn.__module__, kernel=jit.fn.__name__, arch=self.arch,
+            signature=tuple(signature.items()),
+            constexprs=tuple(constexprs.items()),
+            attrs=tuple((path, tuple(tuple(a) for a in values)) for path, values in attrs.items()),
+            options=tuple(sorted(options.__dict__.items())),
+            divisible_by_16=tuple(names[p[0]] for p, values in attrs.items() if ["tt.divisibility", 16] in values),
+            equal_to_1=tuple(names[p[0]] for p in constexprs if not jit.params[p[0]].is_constexpr),
+        )
+
+
+def parse_ptxas_log(log: str) -> tuple[int, int, int] | None:
+    """(registers, spill store bytes, spill load bytes) from a `ptxas -v` log; None if it has no report."""
+    regs = re.search(r"Used (\d+) registers", log)
+    if regs is None:
+        return None
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return int(regs.group(1)), int(spills.group(1)) if spills else 0, int(spills.group(2)) if spills else 0
+
+
+def ptxas_report(ptx: str, arch: int, fp_fusion: bool = True) -> tuple[int, int, int]:
+    """ptxas' report on `ptx`, run as Triton runs it to build the cubin (same ptxas, same flags)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        cmd = [str(ptxas), "-v", f"--gpu-name=sm_{arch}{suffix}", str(src), "-o", str(Path(tmp) / "k.o")]
+        cmd = [get_ptxas(arch).path, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v",
+               "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
+               "-o", str(Path(tmp) / "k.o")]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    log = proc.stdout + proc.stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return (int(regs.group(1)) if regs else -1,
-            int(spills.group(1)) if spills else 0, int(spills.group(2)) if spills else 0)
+    return parse_ptxas_log(proc.stdout + proc.stderr) or (-1, 0, 0)
 
 
-def compile_one(cfg: KernelConfig, arch: int) -> CompileResult:
+def compile_variant(variant: Variant) -> tuple[int, int, int]:
+    """Compile as the JIT would, for sm_`variant.arch`; returns ptxas' (registers, spill stores, spill loads)
+    from that build, or from a ptxas run on its PTX when the build came from Triton's cache."""
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    result = CompileResult(cfg.kernel, cfg.dtype, cfg.head_dim, arch, ok=False, used_by_engine=cfg.used_by_engine)
+    fn = getattr(importlib.import_module(variant.module), variant.kernel)
+    attrs = {path: [list(a) for a in values] for path, values in variant.attrs}
+    src = ASTSource(fn=fn, signature=dict(variant.signature), constexprs=dict(variant.constexprs), attrs=attrs)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        kernel = compile(src, target=GPUTarget("cuda", variant.arch, 32), options=dict(variant.options))
+    return parse_ptxas_log(log.getvalue()) or ptxas_report(kernel.asm["ptx"], variant.arch,
+                                                           variant.option("enable_fp_fusion"))
+
+
+def collect(archs: list[int]) -> dict[Variant, CompileResult]:
+    """Every distinct variant the model shapes × dtypes launch, with its (not yet filled) result."""
+    found: dict[Variant, CompileResult] = {}
+    specializers = [Specializer(arch) for arch in archs]
+    for dtype_name, dtype in DTYPES.items():
+        for model in MODELS:
+            for launch in record_calls(model, dtype):
+                for spec in specializers:
+                    v = spec.variant(launch)
+                    if v not in found:
+                        found[v] = CompileResult(
+                            v.kernel, v.arch, dtype_name, v.constexpr_values(), list(v.divisible_by_16),
+                            list(v.equal_to_1), v.option("num_warps"), v.option("num_stages"), [])
+                    if model.name not in found[v].models:
+                        found[v].models.append(model.name)
+    return found
+
+
+def _compile(variant: Variant) -> tuple[tuple[int, int, int] | None, str | None]:
     try:
-        fn = _kernel_fn(cfg.kernel)
-        signature = dict(cfg.signature)
-        for name in cfg.constexprs:
-            signature[name] = "constexpr"
-        ordered = {name: signature[name] for name in fn.arg_names}
-        # What the JIT specializes at launch on the engine's tensors: 16-byte aligned pointers and
-        # strides that are multiples of 16 (everything but the block-table width).
-        aligned = [i for i, name in enumerate(fn.arg_names) if ordered[name].startswith("*")
-                   or (name.startswith("stride_") and name != "stride_bt")]
-        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-        src = ASTSource(fn=fn, signature=ordered, constexprs=cfg.constexprs, attrs=attrs)
-        kernel = compile(src, target=GPUTarget("cuda", arch, 32),
-                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        result.registers, result.spill_stores, result.spill_loads = ptxas_report(kernel.asm["ptx"], arch)
-        result.ok = True
+        return compile_variant(variant), None
     except Exception as exc:  # report every failure, keep going
-        result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-    return result
+        text = str(exc).strip()
+        return None, f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def _run(args: tuple[KernelConfig, int]) -> CompileResult:
-    return compile_one(*args)
+def run_check(archs: list[int], jobs: int) -> list[CompileResult]:
+    found = collect(archs)
+    variants = list(found)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        outcomes = list(pool.map(_compile, variants))
+    for variant, (report, error) in zip(variants, outcomes, strict=True):
+        result = found[variant]
+        if report is not None:
+            result.registers, result.spill_stores, result.spill_loads = report
+            result.ok = True
+        result.error = error
+    return list(found.values())
+
+
+def _short(constexprs: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in constexprs.items() if k != "DOT_PRECISION")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,19 +284,19 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPUs", file=sys.stderr)
         return 2
-    work = [(cfg, arch) for cfg in configs() for arch in args.arch]
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(_run, work))
-    failed = False
+    start = time.monotonic()
+    results = run_check(args.arch, args.jobs)
     for r in results:
-        bad = not r.ok or (r.arch == 90 and r.used_by_engine and (r.spill_stores or r.spill_loads))
-        failed |= bool(bad)
         if args.json:
             print(json.dumps(asdict(r)))
         else:
-            status = "FAIL" if bad else "ok"
+            status = "FAIL" if r.failed else ("spill" if r.spill_stores or r.spill_loads else "ok")
             detail = r.error or f"{r.registers} regs, spills {r.spill_stores}/{r.spill_loads} B"
-            print(f"{status:4} sm_{r.arch} {r.kernel:26} {r.dtype:5} hd={r.head_dim or '-':<4} {detail}")
+            print(f"{status:5} sm_{r.arch} {r.kernel:25} {r.dtype:4} w{r.num_warps}s{r.num_stages} "
+                  f"{_short(r.constexprs):58} {detail}")
+    failed = sum(r.failed for r in results)
+    print(f"{len(results)} variants for sm_{'/sm_'.join(map(str, args.arch))} in {time.monotonic() - start:.0f} s, "
+          f"{failed} failed", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -4,20 +4,37 @@ One query token per sequence. The context is cut into `num_splits` segments hand
 programs (so a few long sequences still fill the GPU); each writes a partial output and its
 log-sum-exp, and a second kernel merges the segments. The query heads sharing one KV head are
 processed together, padded to 16 rows so `tl.dot` has a legal shape.
+
+Specialization, so that an engine compiles every variant before serving (kernels/warmup.py) and none
+while serving: the ints that change from step to step are `do_not_specialize` (keys_per_split and
+num_splits follow the batch size and the block-table width; stride_bt is that width; num_heads gains
+nothing from it). The step's metadata pointers (block tables, lengths) may be views at any offset of a
+staging buffer, so their alignment is not specialized either (they are read by gathers and scalar loads).
+The q, cache and output pointers (fresh buffers, and q rows starting at multiples of head_dim) and the
+q/out/cache strides (multiples of head_dim, fixed for an engine) keep the JIT's divisible-by-16
+specialization, which gives vector loads and stores. The split count is always one of SPLIT_CHOICES, so
+the reduce kernel's SPLITS constexpr takes only those values (a `num_splits` override outside them
+compiles a variant of its own).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from tritium.kernels.tiles import use_gpu_tiles
+
 MIN_ROWS = 16
 TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100/H200
 MIN_KEYS_PER_SPLIT = 256
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["keys_per_split", "num_heads", "num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
     scale_log2e, keys_per_split, num_heads, num_splits,
@@ -66,7 +83,7 @@ def decode_split_kernel(
     tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, num_heads, num_splits, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
@@ -85,18 +102,29 @@ def decode_reduce_kernel(
     tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) used on GPUs: K/V tiles of about 4K elements keep registers in bounds."""
+class DecodeConfig(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, tiles: str = "gpu",
+                  device: torch.device | str = "cuda") -> DecodeConfig:
+    """Launch configuration of the split kernel. On GPUs, K/V tiles of about 4K elements (2K in fp32)
+    keep registers in bounds; the interpreter gets 16-key tiles."""
+    if not use_gpu_tiles(tiles, device):
+        return DecodeConfig(16, 4, 2)
     elems = 2048 if dtype == torch.float32 else 4096
-    return max(16, min(64, elems // head_dim)), 4
+    return DecodeConfig(max(16, min(64, elems // head_dim)), 4, 2)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
-    """Enough segments that num_seqs * num_kv_heads * splits approaches TARGET_PROGRAMS, but no segment
-    shorter than MIN_KEYS_PER_SPLIT keys."""
+    """The largest of SPLIT_CHOICES that neither exceeds what brings num_seqs * num_kv_heads * splits to
+    TARGET_PROGRAMS nor leaves segments shorter than MIN_KEYS_PER_SPLIT keys."""
     wanted = triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
-    most = max(1, triton.cdiv(max_context, max(MIN_KEYS_PER_SPLIT, block_n)))
-    return max(1, min(wanted, most))
+    most = triton.cdiv(max_context, max(MIN_KEYS_PER_SPLIT, block_n))
+    limit = max(1, min(wanted, most))
+    return max(s for s in SPLIT_CHOICES if s <= limit)
 
 
 def decode_attention(
@@ -107,34 +135,36 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    tiles: str = "auto",
 ) -> torch.Tensor:
     """Same contract as `reference.decode_attention`. The context bound is the block table's width
-    (no device sync); `num_splits` overrides the automatic choice."""
+    (no device sync); `num_splits` overrides the automatic choice; `tiles` picks the launch
+    configuration (kernels/tiles.py). `q` may be a strided view (rows of a fused qkv output)."""
     num_seqs, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
     page, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = max(MIN_ROWS, triton.next_power_of_2(group))
-    block_n, num_warps = decode_config(head_dim, q.dtype)
-    if q.device.type != "cuda":  # the interpreter: small tiles
-        block_n = 16
+    cfg = decode_config(head_dim, q.dtype, tiles, q.device)
     max_context = block_tables.shape[1] * page
-    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_context, block_n)
-    keys_per_split = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
+    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_context, cfg.block_n)
+    keys_per_split = triton.cdiv(triton.cdiv(max_context, splits), cfg.block_n) * cfg.block_n
     partial_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, seq_lens, partial_out, partial_lse,
         scale * 1.4426950408889634, keys_per_split, num_heads, splits,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
-        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page,
+        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, PAGE=page,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     decode_reduce_kernel[(num_seqs, num_heads)](
         partial_out, partial_lse, out, num_heads, splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(splits), num_warps=4, num_stages=1,
     )
     return out

@@ -1,7 +1,17 @@
 """Small fused Triton kernels: KV-cache write, RMSNorm (+ residual add), rotary embedding, SiLU-and-mul.
 
 Each program handles a tile of rows so the grid stays small; all math is in fp32 and results are cast
-back to the input dtype, as the torch references in `reference.py` do.
+back to the input dtype, as the torch references in `reference.py` do. Their tiles are small enough for
+the interpreter, so `tiles` (kernels/tiles.py) is accepted and checked but picks the same launch anywhere.
+
+Specialization, so that an engine compiles every variant before serving (kernels/warmup.py) and none
+while serving: the token/row counts (and rotary's head counts, which gain nothing) are
+`do_not_specialize`, else the JIT would compile again for a count of 1 or a multiple of 16. The sizes
+fixed for an engine keep the JIT's divisible-by-16 specialization where it gives vector loads and stores:
+`hidden` (rms_norm), `d` (silu_and_mul), the row strides (multiples of the hidden size, of head_dim or of
+the rotary dim) and the data pointers (fresh buffers, or views starting at multiples of head_dim). The
+slot and position pointers may be views at any offset of a step's staging buffer: their alignment is not
+specialized.
 """
 
 from __future__ import annotations
@@ -10,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tritium.kernels.tiles import check_tiles
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def store_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     num_tokens, stride_key, stride_value,
@@ -40,8 +52,11 @@ def store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    tiles: str = "auto",
 ) -> None:
-    """Scatter `[num_tokens, num_kv_heads, head_dim]` rows into the paged caches; slot -1 skips."""
+    """Scatter `[num_tokens, num_kv_heads, head_dim]` rows into the paged caches; slot -1 skips. `key` and
+    `value` may be strided views (parts of a fused qkv output)."""
+    check_tiles(tiles)
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -61,7 +76,7 @@ def store_kv(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     num_rows, hidden, stride_x, stride_residual, eps,
@@ -84,13 +99,21 @@ def rms_norm_kernel(
     tl.store(out_ptr + r64 * hidden + cols[None, :], out, mask=mask)
 
 
+def rms_norm_tiles(hidden: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_H): whole rows, up to 4096 elements per program."""
+    block_h = triton.next_power_of_2(hidden)
+    return max(1, min(16, 4096 // block_h)), block_h
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    tiles: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim; with `residual`, adds it first and returns `(normed, x + residual)`."""
+    check_tiles(tiles)
     shape = x.shape
     hidden = shape[-1]
     x2 = x.reshape(-1, hidden)
@@ -102,8 +125,7 @@ def rms_norm(
     if res2.stride(1) != 1:
         res2 = res2.contiguous()
     res_out = torch.empty_like(out) if residual is not None else out
-    block_h = triton.next_power_of_2(hidden)
-    block_r = max(1, min(16, 4096 // block_h))
+    block_r, block_h = rms_norm_tiles(hidden)
     if rows:
         rms_norm_kernel[(triton.cdiv(rows, block_r),)](
             x2, res2, weight, out, res_out, rows, hidden, x2.stride(0), res2.stride(0), eps,
@@ -132,7 +154,8 @@ def _rotate_rows(ptr, tokens, num_tokens, num_heads, stride_t, stride_h, cos, si
     tl.store(ptr + base + HALF, (f2 * c + f1 * s).to(x1.dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_heads", "num_kv_heads"],
+            do_not_specialize_on_alignment=["pos_ptr"])
 def rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr, num_tokens, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
@@ -147,11 +170,18 @@ def rotary_kernel(
     _rotate_rows(k_ptr, tokens, num_tokens, num_kv_heads, stride_kt, stride_kh, cos, sin, HALF, BLOCK_T, BLOCK_KH)
 
 
+def rotary_tokens(block_heads: int, half: int) -> int:
+    """Tokens per program: up to 2048 rotated pairs of q."""
+    return max(1, min(16, 2048 // (block_heads * half)))
+
+
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, tiles: str = "auto"
 ) -> None:
     """Neox-style rotary embedding of `q` `[tokens, heads, d]` and `k` `[tokens, kv_heads, d]`, in place.
-    `cos_sin_cache` is `[max_position, rot_dim]` = cat(cos, sin); the first rot_dim features rotate."""
+    `cos_sin_cache` is `[max_position, rot_dim]` = cat(cos, sin); the first rot_dim features rotate.
+    `q` and `k` may be strided views (parts of a fused qkv output) with a contiguous last dim."""
+    check_tiles(tiles)
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
@@ -159,7 +189,7 @@ def rotary_embedding(
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rotary_embedding needs the last dim contiguous"
     assert half & (half - 1) == 0, "rotary dim must be a power of two"
     block_qh = triton.next_power_of_2(q.shape[1])
-    block_t = max(1, min(16, 2048 // (block_qh * half)))
+    block_t = rotary_tokens(block_qh, half)
     rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
         q, k, positions, cos_sin_cache, num_tokens, q.shape[1], k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
@@ -167,7 +197,7 @@ def rotary_embedding(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def silu_and_mul_kernel(x_ptr, out_ptr, num_rows, d, stride_x,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -182,16 +212,22 @@ def silu_and_mul_kernel(x_ptr, out_ptr, num_rows, d, stride_x,
     tl.store(out_ptr + r64 * d + cols[None, :], out, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_tiles(d: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D): up to 1024 columns and 4096 elements per program."""
+    block_d = min(1024, triton.next_power_of_2(d))
+    return max(1, min(16, 4096 // block_d)), block_d
+
+
+def silu_and_mul(x: torch.Tensor, tiles: str = "auto") -> torch.Tensor:
     """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
+    check_tiles(tiles)
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
-    block_d = min(1024, triton.next_power_of_2(d))
-    block_r = max(1, min(16, 4096 // block_d))
+    block_r, block_d = silu_and_mul_tiles(d)
     if rows:
         silu_and_mul_kernel[(triton.cdiv(rows, block_r), triton.cdiv(d, block_d))](
             x2, out, rows, d, x2.stride(0), BLOCK_R=block_r, BLOCK_D=block_d,

@@ -6,13 +6,25 @@ prefix-cache hits. A program takes one KV head of one sequence and a tile of BLO
 row is a (query position, query head of that KV head's group) pair, so `tl.dot` gets full tiles even
 for small GQA groups. Keys are visited tile by tile (online softmax, fp32 accumulation): tiles left
 of the diagonal need no mask, tiles past the last query position are never visited.
+
+Specialization: the only int that changes from step to step, stride_bt (the block-table width, 1 for a
+one-block batch), is `do_not_specialize`; token and sequence counts live in the grid and in tensors. The
+step's metadata pointers (block tables, cu_seqlens, lengths) may be views at any offset of a staging
+buffer, so their alignment is not specialized (they are read by gathers and scalar loads). The q, cache
+and output pointers (fresh buffers, q rows starting at multiples of head_dim, also inside a fused qkv
+output) and the q/out/cache strides (multiples of head_dim, fixed for an engine) keep the JIT's divisible-by-16
+specialization, which gives vector loads and stores of the q, K, V and output rows.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from tritium.kernels.tiles import use_gpu_tiles
 
 
 @triton.jit
@@ -39,7 +51,8 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, st
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr"])
 def prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
     scale_log2e, stride_qt, stride_qh, stride_ot, stride_oh,
@@ -84,15 +97,25 @@ def prefill_attention_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) used on GPUs for this head size and dtype."""
+class PrefillConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype, tiles: str = "gpu",
+                   device: torch.device | str = "cuda") -> PrefillConfig:
+    """Launch configuration for this head size and dtype (GPU tiles; 16x16 ones for the interpreter)."""
+    if not use_gpu_tiles(tiles, device):
+        return PrefillConfig(16, 16, 4, 1)
     if dtype == torch.float32:
-        return (32, 32, 4, 2) if head_dim <= 64 else (16, 16, 4, 1)
+        return PrefillConfig(32, 32, 4, 2) if head_dim <= 64 else PrefillConfig(16, 16, 4, 1)
     if head_dim <= 64:
-        return 128, 64, 8, 3
+        return PrefillConfig(128, 64, 8, 3)
     if head_dim <= 128:
-        return 128, 64, 8, 2
-    return 64, 32, 8, 2
+        return PrefillConfig(128, 64, 8, 2)
+    return PrefillConfig(64, 32, 8, 2)
 
 
 def prefill_attention(
@@ -104,28 +127,31 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    tiles: str = "auto",
 ) -> torch.Tensor:
     """Same contract as `reference.prefill_attention`. `max_query_len` (the longest query run) sizes
-    the grid; when omitted it is read from `cu_seqlens_q` (one device sync)."""
+    the grid; when omitted it is read from `cu_seqlens_q` (one device sync: the engine always passes it).
+    `tiles` picks the launch configuration (kernels/tiles.py). `q` may be a strided view (rows of a
+    fused qkv output)."""
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m, block_n, num_warps, num_stages = prefill_config(head_dim, q.dtype)
-    if q.device.type != "cuda":  # the interpreter: smaller tiles, fewer wasted rows
-        block_m, block_n = 16, 16
-    grid = (triton.cdiv(max_query_len * group, block_m), num_seqs, num_kv_heads)
+    cfg = prefill_config(head_dim, q.dtype, tiles, q.device)
+    grid = (triton.cdiv(max_query_len * group, cfg.block_m), num_seqs, num_kv_heads)
     prefill_attention_kernel[grid](
         q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -144,12 +144,12 @@ def test_abort_frees_blocks_and_reports_abort(tiny: LLM) -> None:
 def test_model_failure_fails_only_that_step(tiny: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = tiny.engine
     engine.add_request("doomed", "boom", SamplingParams(max_tokens=4))
-    real_run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda batch: (_ for _ in ()).throw(RuntimeError("injected")))
+    real_execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda step: (_ for _ in ()).throw(RuntimeError("injected")))
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("doomed", "error")]
     assert outs[0].error == "the model step failed"  # the exception's text stays in the log
-    monkeypatch.setattr(engine.runner, "run", real_run)
+    monkeypatch.setattr(engine.runner, "execute", real_execute)
     assert tiny.generate("fine", SamplingParams(max_tokens=2))[0].finish_reason == "length"
 
 

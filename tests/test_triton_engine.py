@@ -40,9 +40,14 @@ def run(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_triton_backend_matches_torch_backend(make_llm: Callable[..., LLM], micro_llama: Path) -> None:
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graph-path"])
+def test_triton_backend_matches_torch_backend(make_llm: Callable[..., LLM], micro_llama: Path,
+                                              enforce_eager: bool) -> None:
+    """With enforce_eager False the decode steps run padded to their bucket (3 sequences as 4) on the static
+    buffers, through the Triton kernels, as a CUDA graph would replay them."""
     kwargs = dict(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=20)
-    torch_llm = make_llm(str(micro_llama), attention_backend="torch", **kwargs)
-    triton_llm = make_llm(str(micro_llama), attention_backend="triton", **kwargs)
+    torch_llm = make_llm(str(micro_llama), attention_backend="torch", enforce_eager=True, **kwargs)
+    triton_llm = make_llm(str(micro_llama), attention_backend="triton", enforce_eager=enforce_eager, **kwargs)
     assert triton_llm.engine.runner.backend.name == "triton"
+    assert triton_llm.engine.runner.graphs.buckets == ([] if enforce_eager else [1, 2, 4])
     assert run(triton_llm) == run(torch_llm)

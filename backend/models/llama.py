@@ -105,9 +105,9 @@ class LlamaDecoderLayer(nn.Module):
         q = qkv[:, : self.q_size].reshape(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = q.contiguous(), k.contiguous()
+        # q, k and v stay strided views of the fused projection: every kernel takes strides.
         ops.rotary_embedding(q, k, positions, cos_sin_cache)
-        attn = ops.attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = ops.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         hidden = self.o_proj(attn.reshape(n, self.q_size))
         x, residual = ops.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
         hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -9,6 +9,7 @@ so it is imported in `initialize`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from abc import ABC, abstractmethod
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 from tritium.backend.engine import LLMEngine
+from tritium.backend.serving.device_selection import select_device, use_device
 from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import EngineRequest
@@ -55,7 +57,10 @@ class EngineModel(ABC, Generic[R]):
         self.input_names = [i["name"] for i in self.model_config.get("input", [])]
         settings = load_settings(Path(args["model_repository"]) / args["model_version"])
         self.timeout_s = settings.request_timeout_s or self.default_timeout_s
-        self.engine = LLMEngine(settings.engine)
+        # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
+        config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
+        use_device(config.torch_device())
+        self.engine = LLMEngine(config)
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
         self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval,
                                settings.max_stream_interval)
@@ -63,7 +68,7 @@ class EngineModel(ABC, Generic[R]):
         self._ids = count()
         import torch
 
-        print(f"tritium {args['model_name']} version {args['model_version']} ready "
+        print(f"tritium {args['model_name']} version {args['model_version']} ready on {self.engine.device} "
               f"({torch.get_num_threads()} torch threads)", flush=True)
 
     def execute(self, requests: list[Any]) -> None:

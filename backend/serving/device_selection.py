@@ -1,0 +1,56 @@
+"""Which device a Triton model instance's engine runs on.
+
+With `instance_group [{ kind: KIND_GPU, gpus: [0, 1] }]` Triton creates one model instance per GPU and
+tells each its GPU in `initialize`'s args (`model_instance_kind` "GPU", `model_instance_device_id` "1").
+Such an instance runs on `cuda:<id>`; model.json's `device` may say "auto" or "cuda" (follow Triton) or
+name that same GPU, and anything else is a configuration error. Every other kind (KIND_CPU, KIND_AUTO,
+KIND_MODEL, or no args at all) leaves the choice to the engine (`EngineConfig.device`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+GPU_KIND = "GPU"  # what Triton's python backend passes for KIND_GPU (also "CPU", "AUTO", "MODEL")
+
+
+def select_device(args: Mapping[str, str], configured: str) -> str:
+    """The engine device for a model instance with Triton's `initialize` args and model.json's `device`
+    setting `configured` ("auto", "cpu", "cuda", "cuda:N"). Raises ValueError naming the setting when a
+    KIND_GPU instance's model.json device contradicts the GPU Triton placed it on."""
+    if args.get("model_instance_kind", "").upper() != GPU_KIND:
+        return configured
+    raw_id = args.get("model_instance_device_id")
+    try:
+        device_id = int(raw_id)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"Triton placed this model instance on a GPU (instance_group kind KIND_GPU) but gave no valid "
+            f"model_instance_device_id ({raw_id!r})"
+        ) from None
+    chosen = f"cuda:{device_id}"
+    if configured in ("auto", "cuda") or _names_gpu(configured, device_id):
+        return chosen
+    raise ValueError(
+        f"model.json sets device {configured!r}, but Triton placed this model instance on GPU {device_id} "
+        f"(instance_group kind KIND_GPU): set device to \"auto\" or \"cuda\" to follow Triton (or "
+        f"{chosen!r}), or give the instance_group kind KIND_CPU to let the engine pick its device"
+    )
+
+
+def _names_gpu(configured: str, device_id: int) -> bool:
+    try:
+        device = torch.device(configured)
+    except RuntimeError:
+        return False
+    return device.type == "cuda" and device.index == device_id
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (a no-op for a CPU or an index-less "cuda").
+    CUDA's current device is per thread, and Triton kernels launch on the current device, not on their
+    tensors' device: every thread that launches kernels for an engine calls this first."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

@@ -1,0 +1,97 @@
+"""Launch every kernel variant an engine can use before it serves, so the JIT compiles none mid-serving.
+
+The kernels specialize only on values fixed for an engine (model shape, dtype, block size, tile
+configuration; see each kernel module's docstring); step-dependent counts are not specialized and the
+decode split count is one of `SPLIT_CHOICES`. One launch per variant at the engine's model configuration
+therefore covers every later launch, provided the dummy tensors have the engine's dtypes: q, k, v are
+views into one fused qkv output of the model dtype, the rotary cache is fp32, block tables, lengths and
+cu_seqlens int32, positions and slots `index_dtype` (int32, as the engine stages them).
+`tritium.kernels.compile_check` compiles exactly these calls for sm_80/sm_90.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tritium.kernels.decode_attention import SPLIT_CHOICES
+from tritium.kernels.interface import KernelOps
+
+
+@dataclass
+class OpCall:
+    op: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What an engine's kernel launches specialize on: its model's shape, dtype, block size, the width of its
+    block tables, its device, and the dtype of the positions and slots it passes."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    rotary_dim: int
+    block_size: int
+    max_blocks_per_seq: int
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+    index_dtype: torch.dtype = torch.int32
+
+
+def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT_CHOICES) -> list[OpCall]:
+    """The op calls `warm_up` makes: each op once (rms_norm with and without residual, decode_attention
+    once per entry of `split_choices`, None meaning the automatic choice), on small dummy tensors."""
+    num_heads, num_kv_heads, head_dim, dtype = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
+    tokens = 2
+    dev = torch.device(shape.device)
+    x = torch.zeros(tokens, shape.hidden_size, dtype=dtype, device=dev)
+    weight = torch.ones(shape.hidden_size, dtype=dtype, device=dev)
+    qkv = torch.zeros(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=dev)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
+    positions = torch.arange(tokens, dtype=shape.index_dtype, device=dev)
+    cos_sin_cache = torch.zeros(tokens, shape.rotary_dim, dtype=torch.float32, device=dev)
+    key_cache = torch.zeros(2, shape.block_size, num_kv_heads, head_dim, dtype=dtype, device=dev)
+    value_cache = torch.zeros_like(key_cache)
+    slot_mapping = torch.arange(tokens, dtype=shape.index_dtype, device=dev)
+    block_tables = torch.zeros(1, max(1, shape.max_blocks_per_seq), dtype=torch.int32, device=dev)
+    cu_seqlens_q = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor([tokens], dtype=torch.int32, device=dev)
+    scale = head_dim**-0.5
+    calls = [
+        OpCall("rms_norm", (x, weight, 1e-6)),
+        OpCall("rms_norm", (x, weight, 1e-6, x.clone())),
+        OpCall("rotary_embedding", (q, k, positions, cos_sin_cache)),
+        OpCall("store_kv", (k, v, key_cache, value_cache, slot_mapping)),
+        OpCall("prefill_attention", (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, tokens)),
+        OpCall("silu_and_mul", (torch.zeros(tokens, 2 * shape.intermediate_size, dtype=dtype, device=dev),)),
+    ]
+    for splits in split_choices:
+        kwargs = {} if splits is None else {"num_splits": splits}
+        calls.append(OpCall("decode_attention", (q[:1], key_cache, value_cache, block_tables, seq_lens[:1], scale),
+                            kwargs))
+    return calls
+
+
+def warm_up(ops: KernelOps, shape: EngineShape) -> int:
+    """Run every kernel variant `ops` (an ops module: `triton_ops` or `reference`) can use at this engine
+    shape once; returns the number of op calls made. With `reference` these are cheap torch calls; with
+    `triton_ops` on CUDA each compiles (or loads from Triton's cache) its variant."""
+    takes_splits = "num_splits" in inspect.signature(ops.decode_attention).parameters
+    calls = warmup_calls(shape, SPLIT_CHOICES if takes_splits else (None,))
+    for call in calls:
+        getattr(ops, call.op)(*call.args, **call.kwargs)
+    if torch.device(shape.device).type == "cuda":
+        torch.cuda.synchronize(shape.device)
+    return len(calls)
