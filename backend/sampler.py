@@ -6,8 +6,9 @@ takes argmax(p / E), which samples from p; a seeded request draws its noise from
 so its text does not depend on what else is in the batch (the sampler keeps those generators by request id).
 
 Everything runs on the logits' device: the random rows' settings come staged with the step's other inputs
-(`stage`), and only the sampled ids (plus the logprobs asked for) come back to the host. Penalties and
-min_tokens bans, which only some requests ask for, build their index tensors per step.
+(`stage_random_rows`), and only the sampled ids (plus the logprobs asked for) come back to the host.
+Penalties and min_tokens bans, which only some requests ask for, send their (row, token) index lists per
+step, for all rows at once.
 """
 
 from __future__ import annotations
@@ -38,20 +39,41 @@ class SamplerOutput:
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """In place: repetition penalty over prompt+output tokens (divide positive logits, multiply
-    negative ones), presence/frequency penalties over output tokens (OpenAI's definition)."""
+    negative ones), presence/frequency penalties over output tokens (OpenAI's definition). All rows at once:
+    a few device ops and host-to-device copies whatever the batch size."""
     vocab = logits.shape[-1]
+    rep_rows: list[int] = []
+    rep_tokens: list[int] = []
+    out_rows: list[int] = []
+    out_tokens: list[int] = []
     for row, seq in enumerate(seqs):
         p = seq.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long).to(logits.device, non_blocking=True)
-            seen = seen[seen < vocab]
-            vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and seq.num_output_tokens:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
-            out = out[out < vocab]
-            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            seen = [t for t in set(seq.token_ids) if t < vocab]
+            rep_rows += [row] * len(seen)
+            rep_tokens += seen
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            generated = [t for t in seq.output_token_ids if t < vocab]
+            out_rows += [row] * len(generated)
+            out_tokens += generated
+
+    def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
+
+    if rep_rows:
+        rows, tokens = on_device(rep_rows, torch.long), on_device(rep_tokens, torch.long)
+        penalty = on_device([s.params.repetition_penalty for s in seqs], logits.dtype)[rows]
+        vals = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    if out_rows:
+        rows, tokens = on_device(out_rows, torch.long), on_device(out_tokens, torch.long)
+        counts = torch.zeros_like(logits).index_put_((rows, tokens), torch.ones_like(rows, dtype=logits.dtype),
+                                                     accumulate=True)
+        frequency = on_device([s.params.frequency_penalty for s in seqs], logits.dtype)[:, None]
+        presence = on_device([s.params.presence_penalty for s in seqs], logits.dtype)[:, None]
+        penalized = on_device([s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for s in seqs],
+                              torch.bool)[:, None]
+        logits -= torch.where(penalized, frequency * counts + presence * (counts > 0).to(logits.dtype), 0.0)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -208,12 +230,17 @@ class Sampler:
             logits = logits.clone()  # the caller's logits stay as they were, should a retry need them
         if penalized:
             apply_penalties(logits, seqs)
+        ban_rows: list[int] = []
+        ban_tokens: list[int] = []
         for row, seq in enumerate(seqs):
             p = seq.params
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                if banned:
-                    logits[row, banned] = float("-inf")
+                ban_rows += [row] * len(banned)
+                ban_tokens += banned
+        if ban_rows:
+            index = torch.tensor([ban_rows, ban_tokens], dtype=torch.long).to(logits.device, non_blocking=True)
+            logits[index[0], index[1]] = float("-inf")
         # The row maximum is NaN if any logit is (max propagates NaN), +inf for a broken row and -inf when
         # every token is banned: a row whose maximum is not finite has no token to give.
         best, tokens = row_max(logits)

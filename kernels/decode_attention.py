@@ -6,8 +6,8 @@ log-sum-exp, and a second kernel merges the segments. The query heads sharing on
 processed together, padded to 16 rows so `tl.dot` has a legal shape.
 
 Specialization, so that an engine compiles every variant before serving (kernels/warmup.py) and none
-while serving: the ints that change from step to step are `do_not_specialize` (keys_per_split and
-num_splits follow the batch size and the block-table width; stride_bt is that width; num_heads gains
+while serving: the ints that change from step to step are `do_not_specialize` (num_splits follows
+the batch size and the block-table width; stride_bt is that width; min_keys_per_split and num_heads gain
 nothing from it). The step's metadata pointers (block tables, lengths) may be views at any offset of a
 staging buffer, so their alignment is not specialized either (they are read by gathers and scalar loads).
 The q, cache and output pointers (fresh buffers, and q rows starting at multiples of head_dim) and the
@@ -33,11 +33,11 @@ MIN_KEYS_PER_SPLIT = 256
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 
 
-@triton.jit(do_not_specialize=["keys_per_split", "num_heads", "num_splits", "stride_bt"],
+@triton.jit(do_not_specialize=["min_keys_per_split", "num_heads", "num_splits", "stride_bt"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
-    scale_log2e, keys_per_split, num_heads, num_splits,
+    scale_log2e, min_keys_per_split, num_heads, num_splits,
     stride_qs, stride_qh, stride_cache_block, stride_cache_pos, stride_bt,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -55,6 +55,10 @@ def decode_split_kernel(
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    # Each sequence cuts its own context into equal segments (whole key tiles, at least min_keys_per_split
+    # keys): the split count is chosen for the longest possible context (the block table's width, fixed
+    # in a CUDA graph), and shorter contexts still spread over the splits.
+    keys_per_split = tl.cdiv(tl.maximum(tl.cdiv(context_len, num_splits), min_keys_per_split), BLOCK_N) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, context_len)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -137,8 +141,9 @@ def decode_attention(
     num_splits: int | None = None,
     tiles: str = "auto",
 ) -> torch.Tensor:
-    """Same contract as `reference.decode_attention`. The context bound is the block table's width
-    (no device sync); `num_splits` overrides the automatic choice; `tiles` picks the launch
+    """Same contract as `reference.decode_attention`. The split count is chosen for the block table's
+    width (no device sync) and each sequence spreads its own context over the splits; `num_splits`
+    overrides the choice (segments may then be shorter than MIN_KEYS_PER_SPLIT); `tiles` picks the launch
     configuration (kernels/tiles.py). `q` may be a strided view (rows of a fused qkv output)."""
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -152,12 +157,11 @@ def decode_attention(
     cfg = decode_config(head_dim, q.dtype, tiles, q.device)
     max_context = block_tables.shape[1] * page
     splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_context, cfg.block_n)
-    keys_per_split = triton.cdiv(triton.cdiv(max_context, splits), cfg.block_n) * cfg.block_n
     partial_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, seq_lens, partial_out, partial_lse,
-        scale * 1.4426950408889634, keys_per_split, num_heads, splits,
+        scale * 1.4426950408889634, MIN_KEYS_PER_SPLIT if num_splits is None else 1, num_heads, splits,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
         GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, PAGE=page,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

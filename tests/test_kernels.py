@@ -253,3 +253,17 @@ def test_kernel_benchmark_script_runs(tmp_path) -> None:  # type: ignore[no-unty
     assert (tmp_path / "kernels.json").is_file() and (tmp_path / "kernels.png").stat().st_size > 1000
     assert all(p["tritium_tflops"] > 0 for p in report["prefill"])
     assert all(d["tritium_gbs"] > 0 and d["torch_gather_gbs"] > 0 for d in report["decode"])
+
+
+@pytest.mark.parametrize("tiles", ["small", "gpu"])
+def test_decode_attention_wide_block_table(tiles: str) -> None:
+    """A CUDA graph's decode reads block tables as wide as max_model_len: the split count follows that width,
+    and each sequence spreads its shorter context over the splits (segments of at least 256 keys)."""
+    lens = [1, 300, 700, 90]
+    kc, vc, tables, _, _ = paged_setup(lens, 16, 1, 64)
+    wide = torch.zeros(len(lens), 128, dtype=torch.int32)  # room for 2,048 keys
+    wide[:, : tables.shape[1]] = tables
+    q = torch.randn(len(lens), 3, 64)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = tri.decode_attention(q, kc, vc, wide, seq_lens, 0.125, tiles=tiles)
+    close(got, ref.decode_attention(q, kc, vc, tables, seq_lens, 0.125), torch.float32)

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritium.backend.sampler import Sampler, row_max
+from tritium.backend.sampler import Sampler, apply_penalties, row_max
 from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.sequence import Sequence
 
 from test_block_manager import seq
 
@@ -144,3 +145,30 @@ def test_row_max_is_max_with_its_first_index(vocab: int) -> None:
     values, indices = row_max(logits)
     assert torch.equal(indices, expected.indices)
     assert torch.equal(values.nan_to_num(), expected.values.nan_to_num())
+
+
+def test_batched_penalties_match_each_row_penalized_alone() -> None:
+    """apply_penalties works on all rows at once; each row must come out as the definition says for it alone
+    (repetition over prompt + output, presence/frequency over the output), untouched rows unchanged."""
+    torch.manual_seed(0)
+    vocab = 50
+    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.25), {},
+                dict(repetition_penalty=0.8, frequency_penalty=-0.5)]
+    seqs = []
+    for i, extra in enumerate(settings):
+        seq = Sequence(f"p{i}", None, [3, 7, 7, 60 + i], SamplingParams(**extra), 0)  # 60+: beyond the vocabulary
+        seq.token_ids += [7, 11, 11, 11, 2]
+        seqs.append(seq)
+    logits = torch.randn(len(seqs), vocab) * 3
+    got = logits.clone()
+    apply_penalties(got, seqs)
+    for row, seq in enumerate(seqs):
+        want = logits[row].clone()
+        p = seq.params
+        for t in set(seq.token_ids):
+            if t < vocab and p.repetition_penalty != 1.0:
+                want[t] = want[t] / p.repetition_penalty if want[t] > 0 else want[t] * p.repetition_penalty
+        for t in set(seq.output_token_ids):
+            n = seq.output_token_ids.count(t)
+            want[t] -= p.frequency_penalty * n + p.presence_penalty
+        torch.testing.assert_close(got[row], want)
