@@ -35,6 +35,14 @@ from tritium.backend.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (CUDA's current device is per thread, and Triton
+    kernels and graph capture use it, not their tensors' device). A no-op for a CPU, an index-less "cuda" or
+    when it already is."""
+    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+
+
 @dataclass
 class EngineStats:
     """Cumulative timings of `LLMEngine.step`: `step_s` = scheduling + `model_s` + `update_s`."""
@@ -55,10 +63,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.torch_device()
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)  # this thread's kernels, graphs and allocations go there
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        use_device(self.device)  # this thread's kernels, graphs and allocations go there
         self.dtype = config.torch_dtype(self.device)
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer(self.model_path)
@@ -206,8 +213,7 @@ class LLMEngine:
         if not batch.scheduled:
             return outputs
         t_model = time.perf_counter()
-        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
-            torch.cuda.set_device(self.device)  # the current device is per thread: the serving loop steps here
+        use_device(self.device)  # the serving loop steps on a thread of its own
         sampled = self._execute(batch)
         t_update = time.perf_counter()
         if sampled is None:  # the forward pass failed: fail only the requests of this step; the engine goes on
@@ -231,6 +237,8 @@ class LLMEngine:
 
     def _execute(self, batch: SchedulerOutput) -> SamplerOutput | None:
         """The forward pass and sampling; None when the forward pass failed (logged)."""
+        for seq in batch.preempted:  # readmitted later with new blocks: a new row then
+            self.runner.release(seq.request_id)
         staging = self.runner.staging
         try:
             self.faults.check(s.seq.prompt for s in batch.scheduled)
@@ -242,9 +250,6 @@ class LLMEngine:
         except Exception:
             logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
             return None
-        finally:
-            for seq in batch.preempted:
-                self.runner.release(seq.request_id)
         if not batch.sampling:
             return SamplerOutput([], [], [])
         return self.sampler(logits, batch.sampling, random.tensors(staging) if random is not None else None)

@@ -8,9 +8,9 @@ replays them (decode_graphs.py); mixed and prefill steps run eagerly.
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -23,13 +23,30 @@ from tritium.backend.staging import StagingBuffer
 from tritium.kernels.warmup import EngineShape
 from tritium.kernels.warmup import warm_up as warm_up_kernels
 
-logger = logging.getLogger(__name__)
-
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class HostStep:
+    """A step's inputs as plain lists, decode rows first (one token each), then prefill chunks."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)  # rows of the device block tables
+    decode_seq_lens: list[int] = field(default_factory=list)
+    decode_width: int = 0  # block-table columns the decode rows need
+    prefill_rows: list[int] = field(default_factory=list)
+    prefill_cu_seqlens: list[int] = field(default_factory=lambda: [0])
+    prefill_seq_lens: list[int] = field(default_factory=list)
+    prefill_width: int = 0
+    logit_rows: list[int] = field(default_factory=list)
+    update_index: list[int] = field(default_factory=list)  # block-table entries to write (flat index, block)
+    update_value: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -98,69 +115,65 @@ class ModelRunner:
         """Stage the step (decode rows, one new token each, first; then prefill chunks). Call
         `staging.begin()` before and `staging.upload()` after (the sampler stages its settings in between)."""
         bs = self.block_size
-        st = self.staging
         tables = self.block_tables
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_lens: list[int] = []
+        host = HostStep()
         last_row: dict[int, int] = {}  # id(scheduled) -> its last packed row
-        decode_width = 0
         for s in batch:  # decode rows: one token at position num_computed_tokens
             if s.num_new_tokens != 1:
                 continue
             seq = s.seq
             pos = seq.num_computed_tokens
-            last_row[id(s)] = len(input_ids)
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            decode_rows.append(tables.row(seq))
-            decode_lens.append(pos + 1)
-            decode_width = max(decode_width, pos // bs + 1)
-        prefill_rows: list[int] = []
-        cu_seqlens = [0]
-        prefill_lens: list[int] = []
-        prefill_width = 0
+            last_row[id(s)] = len(host.input_ids)
+            host.input_ids.append(seq.token_ids[pos])
+            host.positions.append(pos)
+            host.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            host.decode_rows.append(tables.row(seq))
+            host.decode_seq_lens.append(pos + 1)
+            host.decode_width = max(host.decode_width, pos // bs + 1)
         for s in batch:
             if s.num_new_tokens == 1:
                 continue
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            last_row[id(s)] = len(input_ids) - 1
-            prefill_rows.append(tables.row(seq))
-            cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
-            prefill_lens.append(end)
-            prefill_width = max(prefill_width, -(-end // bs))
-        num_decode = len(decode_rows)
-        bucket = self.graphs.bucket_for(num_decode) if num_decode == len(batch) else None
+            host.input_ids.extend(seq.token_ids[start:end])
+            host.positions.extend(range(start, end))
+            host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            last_row[id(s)] = len(host.input_ids) - 1
+            host.prefill_rows.append(tables.row(seq))
+            host.prefill_cu_seqlens.append(host.prefill_cu_seqlens[-1] + s.num_new_tokens)
+            host.prefill_seq_lens.append(end)
+            host.prefill_width = max(host.prefill_width, -(-end // bs))
+        host.logit_rows = [last_row[id(s)] for s in batch if s.samples]
+        host.update_index, host.update_value = tables.take_updates()
+        num_decode = len(host.decode_rows)
+        return self._stage(host, self.graphs.bucket_for(num_decode) if num_decode == len(batch) else None)
+
+    def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
+        """Put `host` into the staging buffer, decode sections padded to `bucket` (a graph reads them at the
+        same offsets for every step of that bucket: padding rows write nothing and attend to one key of the
+        zero block-table row)."""
+        st, tables = self.staging, self.block_tables
         pad = bucket or 0
-        if bucket is not None:  # the graph reads fixed columns: padding rows attend to one key of the zero row
-            decode_width = tables.width
-        index, value = tables.take_updates()
+        cu = host.prefill_cu_seqlens
         return PreparedStep(
-            num_tokens=max(len(input_ids), pad),
-            input_ids=st.put(input_ids, pad),
-            positions=st.put(positions, pad),
-            slots=st.put(slots, pad, fill=-1),
-            num_decode=max(num_decode, pad),
-            decode_rows=st.put(decode_rows, pad, fill=tables.padding_row),
-            decode_seq_lens=st.put(decode_lens, pad, fill=1),
-            decode_width=decode_width,
-            prefill_rows=st.put(prefill_rows),
-            prefill_cu_seqlens=st.put(cu_seqlens),
-            prefill_seq_lens=st.put(prefill_lens),
-            prefill_width=prefill_width,
-            max_query_len=max((cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(prefill_lens))), default=0),
-            logit_rows=st.put([last_row[id(s)] for s in batch if s.samples]),
-            num_logit_rows=sum(1 for s in batch if s.samples),
-            update_index=st.put(index),
-            update_value=st.put(value),
+            num_tokens=max(len(host.input_ids), pad),
+            input_ids=st.put(host.input_ids, pad),
+            positions=st.put(host.positions, pad),
+            slots=st.put(host.slots, pad, fill=-1),
+            num_decode=max(len(host.decode_rows), pad),
+            decode_rows=st.put(host.decode_rows, pad, fill=tables.padding_row),
+            decode_seq_lens=st.put(host.decode_seq_lens, pad, fill=1),
+            decode_width=tables.width if bucket is not None else host.decode_width,
+            prefill_rows=st.put(host.prefill_rows),
+            prefill_cu_seqlens=st.put(cu),
+            prefill_seq_lens=st.put(host.prefill_seq_lens),
+            prefill_width=host.prefill_width,
+            max_query_len=max((b - a for a, b in pairwise(cu)), default=0),
+            logit_rows=st.put(host.logit_rows),
+            num_logit_rows=len(host.logit_rows),
+            update_index=st.put(host.update_index),
+            update_value=st.put(host.update_value),
             bucket=bucket,
         )
 
@@ -215,27 +228,24 @@ class ModelRunner:
             self.execute(self._dummy_step(num_decode=0, prefill_tokens=tokens))
         self.execute(self._dummy_step(num_decode=1, prefill_tokens=2))
         for bucket in sorted(self.graphs.buckets, reverse=True):  # largest first: later graphs reuse its pool
-            step = self._dummy_step(num_decode=bucket, prefill_tokens=0)
+            step = self._dummy_step(num_decode=0, prefill_tokens=0, bucket=bucket)  # all padding rows
             self.graphs.capture(bucket, lambda step=step: self.forward(step))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _dummy_step(self, num_decode: int, prefill_tokens: int) -> PreparedStep:
+    def _dummy_step(self, num_decode: int, prefill_tokens: int, bucket: int | None = None) -> PreparedStep:
         """A staged and uploaded step whose sequences all use the zero padding row and write nothing."""
-        st, pad_row = self.staging, self.block_tables.padding_row
-        st.begin()
+        pad_row = self.block_tables.padding_row
         tokens = num_decode + prefill_tokens
         prefill = [prefill_tokens] if prefill_tokens else []
-        bucket = num_decode if num_decode and not prefill_tokens and num_decode in self.graphs.buckets else None
-        step = PreparedStep(
-            num_tokens=tokens, input_ids=st.put([0] * tokens), positions=st.put([0] * tokens),
-            slots=st.put([-1] * tokens), num_decode=num_decode, decode_rows=st.put([pad_row] * num_decode),
-            decode_seq_lens=st.put([1] * num_decode), decode_width=self.block_tables.width if bucket else 1,
-            prefill_rows=st.put([pad_row] * len(prefill)), prefill_cu_seqlens=st.put([0, *prefill]),
-            prefill_seq_lens=st.put(prefill), prefill_width=-(-prefill_tokens // self.block_size),
-            max_query_len=prefill_tokens, logit_rows=st.put([tokens - 1]), num_logit_rows=1,
-            update_index=st.put([]), update_value=st.put([]), bucket=bucket,
+        host = HostStep(
+            input_ids=[0] * tokens, positions=[0] * tokens, slots=[-1] * tokens,
+            decode_rows=[pad_row] * num_decode, decode_seq_lens=[1] * num_decode, decode_width=min(num_decode, 1),
+            prefill_rows=[pad_row] * len(prefill), prefill_cu_seqlens=[0, *prefill], prefill_seq_lens=prefill,
+            prefill_width=-(-prefill_tokens // self.block_size), logit_rows=[tokens - 1] if tokens else [],
         )
-        st.upload()
+        self.staging.begin()
+        step = self._stage(host, bucket)
+        self.staging.upload()
         return step

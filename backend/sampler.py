@@ -134,7 +134,8 @@ class RandomRows:
 
 @dataclass
 class StagedRandomRows:
-    """Where `stage` put the random rows' settings in the staging buffer (device views exist after upload)."""
+    """Where `stage_random_rows` put the random rows' settings in the staging buffer (device views exist after
+    upload)."""
 
     rows: list[int]
     where: tuple[slice, slice, slice, slice, slice]
@@ -147,36 +148,53 @@ class StagedRandomRows:
                           staging.floats(top_p), staging.floats(min_p), self.use_top_k_top_p, self.use_min_p)
 
 
-def _settings(seqs: list[Sequence]) -> tuple[list[int], list[float], list[int], list[float], list[float]]:
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    params = [seqs[i].params for i in rows]
-    top_k = [max(-1, min(p.top_k, INT32_MAX)) for p in params]  # any top_k >= vocab keeps every token
-    return rows, [p.temperature for p in params], top_k, [p.top_p for p in params], [p.min_p for p in params]
+@dataclass
+class _RandomSettings:
+    """The random rows' settings as host lists."""
+
+    rows: list[int]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> _RandomSettings:
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        params = [seqs[i].params for i in rows]
+        top_k = [max(-1, min(p.top_k, INT32_MAX)) for p in params]  # any top_k >= vocab keeps every token
+        return cls(rows, [p.temperature for p in params], top_k, [p.top_p for p in params], [p.min_p for p in params])
+
+    @property
+    def use_top_k_top_p(self) -> bool:
+        return any(k > 0 for k in self.top_k) or any(p < 1.0 for p in self.top_p)
+
+    @property
+    def use_min_p(self) -> bool:
+        return any(p > 0 for p in self.min_p)
 
 
 def stage_random_rows(staging: StagingBuffer, seqs: list[Sequence]) -> StagedRandomRows | None:
     """Put the random rows' settings into this step's staging buffer; None when every row is greedy."""
-    rows, temperature, top_k, top_p, min_p = _settings(seqs)
-    if not rows:
+    s = _RandomSettings.of(seqs)
+    if not s.rows:
         return None
-    where = (staging.put(rows), staging.put_floats(temperature), staging.put(top_k), staging.put_floats(top_p),
-             staging.put_floats(min_p))
-    return StagedRandomRows(rows, where, any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
-                            any(p > 0 for p in min_p))
+    where = (staging.put(s.rows), staging.put_floats(s.temperature), staging.put(s.top_k),
+             staging.put_floats(s.top_p), staging.put_floats(s.min_p))
+    return StagedRandomRows(s.rows, where, s.use_top_k_top_p, s.use_min_p)
 
 
 def random_rows_on(device: torch.device, seqs: list[Sequence]) -> RandomRows | None:
     """`stage_random_rows` without a staging buffer (tests, and sampling a row alone after a failure)."""
-    rows, temperature, top_k, top_p, min_p = _settings(seqs)
-    if not rows:
+    s = _RandomSettings.of(seqs)
+    if not s.rows:
         return None
 
     def on(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device)
 
-    return RandomRows(rows, on(rows, torch.int32), on(temperature, torch.float32), on(top_k, torch.int32),
-                      on(top_p, torch.float32), on(min_p, torch.float32),
-                      any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p), any(p > 0 for p in min_p))
+    return RandomRows(s.rows, on(s.rows, torch.int32), on(s.temperature, torch.float32), on(s.top_k, torch.int32),
+                      on(s.top_p, torch.float32), on(s.min_p, torch.float32), s.use_top_k_top_p, s.use_min_p)
 
 
 class Sampler:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritium.backend.serving.device_selection import select_device, use_device
+from tritium.backend.engine import use_device
+from tritium.backend.serving.device_selection import select_device
 
 
 def gpu(device_id: str) -> dict[str, str]:
@@ -52,8 +53,10 @@ def test_missing_keys_leave_the_choice_to_the_engine(configured: str) -> None:
 def test_use_device_leaves_cpu_and_unindexed_cuda_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     use_device(torch.device("cpu"))
     use_device(torch.device("cuda"))
+    use_device(torch.device("cuda:0"))  # already current
     assert calls == []
     use_device(torch.device("cuda:1"))
     assert calls == [torch.device("cuda:1")]

@@ -47,10 +47,3 @@ def _names_gpu(configured: str, device_id: int) -> bool:
         return False
     return device.type == "cuda" and device.index == device_id
 
-
-def use_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device (a no-op for a CPU or an index-less "cuda").
-    CUDA's current device is per thread, and Triton kernels launch on the current device, not on their
-    tensors' device: every thread that launches kernels for an engine calls this first."""
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)

@@ -30,7 +30,6 @@ from typing import Protocol
 from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.serving.device_selection import use_device
 from tritium.backend.serving.heap import heap_trimmer
 from tritium.backend.serving.settings import DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_MAX_STREAM_INTERVAL
 from tritium.backend.serving.stream_pacer import StreamPacer
@@ -246,7 +245,6 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            use_device(self.engine.device)  # CUDA's current device is per thread; kernels launch on it
             self._serve()
         except BaseException as exc:  # the engine's state is unknown now: stop serving, loudly
             self._engine_failed(exc)

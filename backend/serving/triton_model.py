@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 from tritium.backend.engine import LLMEngine
-from tritium.backend.serving.device_selection import select_device, use_device
+from tritium.backend.serving.device_selection import select_device
 from tritium.backend.serving.engine_loop import EngineLoop, Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import EngineRequest
@@ -59,7 +59,6 @@ class EngineModel(ABC, Generic[R]):
         self.timeout_s = settings.request_timeout_s or self.default_timeout_s
         # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
         config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
-        use_device(config.torch_device())
         self.engine = LLMEngine(config)
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
         self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval,
