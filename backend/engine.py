@@ -13,6 +13,7 @@ from tritium.backend.attention import get_attention_backend, resolve_backend_nam
 from tritium.backend.block_manager import BlockManager
 from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
 from tritium.backend.fault_injection import FaultInjector
+from tritium.backend.grammar_compiler import GrammarCompiler
 from tritium.backend.memory_budget import (
     check_fits_one_sequence,
     check_free_memory,
@@ -30,9 +31,11 @@ from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.scheduler import Scheduler, SchedulerOutput
 from tritium.backend.sequence import Sequence
 from tritium.backend.stop_checker import StopChecker
+from tritium.backend.structured_decoding import StructuredDecoding, Verdict
 from tritium.backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+NOT_CONSTRAINED = Verdict()
 
 
 def use_device(device: torch.device) -> None:
@@ -87,6 +90,8 @@ class LLMEngine:
             StopChecker(self.eos_token_ids),
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
+        self.structured = StructuredDecoding(self.grammars, self.device, config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -145,6 +150,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params)
+        if params.structured_output is not None:  # compiled already when the tokenizer thread checked it
+            self.structured.add(request_id, params.structured_output)
         seq = Sequence(request_id, prompt, ids, params, next(self._arrivals))
         self.outputs.add(seq)
         self.sampler.add_request(request_id, params.seed)
@@ -187,6 +194,12 @@ class LLMEngine:
                 f"capacity of {self.kv_capacity_tokens} tokens"
             )
 
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile `params.structured_output` into the grammar cache (any thread: the serving tokenizer thread
+        does, so the engine thread finds it compiled). Raises ValueError naming what cannot be enforced."""
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; its final output (finish_reason "abort") comes with
         the next step(). Unknown or finished ids are ignored."""
@@ -221,10 +234,14 @@ class LLMEngine:
                 self._end(s.seq, "error")
                 outputs.append(self.outputs.error_output(s.seq, "the model step failed"))
             return outputs
+        verdicts = self.structured.accept(batch.sampling, sampled.token_ids)
+        for row, verdict in verdicts.items():
+            if verdict.error is not None:
+                sampled.token_ids[row], sampled.errors[row] = None, verdict.error
         self.scheduler.update(batch, sampled.token_ids)
-        for seq, token, logprobs, error in zip(batch.sampling, sampled.token_ids, sampled.logprobs,
-                                               sampled.errors, strict=True):
-            outputs.append(self._process(seq, token, logprobs, error))
+        for row, (seq, token, logprobs, error) in enumerate(zip(batch.sampling, sampled.token_ids, sampled.logprobs,
+                                                                 sampled.errors, strict=True)):
+            outputs.append(self._process(seq, token, logprobs, error, verdicts.get(row, NOT_CONSTRAINED)))
         stats = self.stats
         stats.steps += 1
         stats.model_s += t_update - t_model
@@ -240,6 +257,7 @@ class LLMEngine:
         for seq in batch.preempted:  # readmitted later with new blocks: a new row then
             self.runner.release(seq.request_id)
         staging = self.runner.staging
+        pending_masks = self.structured.start(batch.sampling)  # computed while the forward pass runs
         try:
             self.faults.check(s.seq.prompt for s in batch.scheduled)
             staging.begin()
@@ -249,19 +267,21 @@ class LLMEngine:
             logits = self.runner.execute(step)
         except Exception:
             logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
+            self.structured.wait(pending_masks)  # the worker must be done with the buffer before the next step
             return None
+        masks = self.structured.wait(pending_masks)
         if not batch.sampling:
             return SamplerOutput([], [], [])
-        return self.sampler(logits, batch.sampling, random.tensors(staging) if random is not None else None)
+        return self.sampler(logits, batch.sampling, random.tensors(staging) if random is not None else None, masks)
 
     def _process(self, seq: Sequence, token: int | None, logprobs: dict[int, float] | None,
-                 error: str | None) -> RequestOutput:
-        """The output of a sequence that sampled (the scheduler already appended `token`): text, stop strings;
-        whatever fails here ends this request alone with an error."""
+                 error: str | None, verdict: Verdict) -> RequestOutput:
+        """The output of a sequence that sampled (the scheduler already appended `token`): text, stop strings,
+        a complete grammar; whatever fails here ends this request alone with an error."""
         if error is None and token is not None:
             try:
-                if self.outputs.append_token(seq, token, logprobs) or seq.finished:  # a stop string, or the
-                    self._end(seq, "stop")  # scheduler's stop (its reason stays)
+                if self.outputs.append_token(seq, token, logprobs) or seq.finished or verdict.complete:
+                    self._end(seq, "stop")  # a stop string, the grammar's end, or the scheduler's stop (its reason)
                 return self.outputs.output(seq)
             except Exception:
                 logger.exception("processing the output of %s failed", seq.request_id)
@@ -279,4 +299,5 @@ class LLMEngine:
     def _forget(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
         self.sampler.remove_request(seq.request_id)
+        self.structured.remove(seq.request_id)
         self.runner.release(seq.request_id)

@@ -221,7 +221,8 @@ class ModelRunner:
             c = self.model.config
             shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
                                 c.intermediate_size, self.model.cos_sin_cache.shape[-1], self.block_size,
-                                self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32)
+                                self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32,
+                                vocab_size=c.vocab_size)
             warm_up_kernels(self.backend.ops, shape)
         sizes = {1, max(2, min(max_prefill_tokens, 64)), max_prefill_tokens} if self.device.type == "cuda" else {1}
         for tokens in sorted(sizes):

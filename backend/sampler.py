@@ -1,6 +1,7 @@
 """Turn a step's logits into one token per sequence.
 
-Order: logprobs of the raw distribution (when asked), penalties, min_tokens masking, then greedy
+Order: logprobs of the raw distribution (when asked), penalties, min_tokens masking, the structured_output
+grammars' token masks, then greedy
 argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling draws exponential noise E and
 takes argmax(p / E), which samples from p; a seeded request draws its noise from its own generator
 so its text does not depend on what else is in the batch (the sampler keeps those generators by request id).
@@ -20,11 +21,12 @@ import torch
 
 from tritium.backend.sequence import Sequence
 from tritium.backend.staging import StagingBuffer
+from tritium.backend.structured_decoding import TokenMasks
 
 logger = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
-NO_TOKEN = ("no token can be sampled: every token is banned (min_tokens with stop_token_ids) or the model's "
-            "logits are not finite")
+NO_TOKEN = ("no token can be sampled: every token is banned (by the structured_output grammar, or by min_tokens "
+            "with stop_token_ids) or the model's logits are not finite")
 
 
 @dataclass
@@ -212,9 +214,11 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], random: RandomRows | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], random: RandomRows | None = None,
+                 masks: TokenMasks | None = None) -> SamplerOutput:
         """`logits` `[len(seqs), vocab]` fp32 on the sampler's device; one token per sequence. `random`: the
-        random rows' settings as staged for this step (built here when None). Sampled as one batch; if that
+        random rows' settings as staged for this step (built here when None); `masks`: the tokens the
+        constrained rows' grammars allow. Sampled as one batch; if that
         raises, each sequence is sampled alone (seeded generators rewound first), so a sequence whose own
         sampling fails gets an error and every other one the token it would have got anyway."""
         gens = [self.generators.get(s.request_id) for s in seqs]
@@ -222,7 +226,7 @@ class Sampler:
         try:
             if random is None:
                 random = random_rows_on(logits.device, seqs)
-            return self._sample_batch(logits, seqs, random)
+            return self._sample_batch(logits, seqs, random, masks)
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling each sequence alone", len(seqs))
         out = SamplerOutput([], [], [])
@@ -230,7 +234,8 @@ class Sampler:
             if gen is not None and state is not None:
                 gen.set_state(state)
             try:
-                one = self._sample_batch(logits[row : row + 1], [seq], random_rows_on(logits.device, [seq]))
+                one = self._sample_batch(logits[row : row + 1], [seq], random_rows_on(logits.device, [seq]),
+                                         masks.for_row(row) if masks is not None else None)
             except Exception:
                 logger.exception("sampling failed for %s", seq.request_id)
                 one = SamplerOutput([None], [None], ["internal error while sampling this request's token"])
@@ -239,12 +244,13 @@ class Sampler:
             out.errors += one.errors
         return out
 
-    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], random: RandomRows | None) -> SamplerOutput:
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], random: RandomRows | None,
+                      masks: TokenMasks | None = None) -> SamplerOutput:
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
         penalized = any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0
                         or s.params.frequency_penalty != 0.0 for s in seqs)
-        if penalized or any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+        if penalized or masks is not None or any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = logits.clone()  # the caller's logits stay as they were, should a retry need them
         if penalized:
             apply_penalties(logits, seqs)
@@ -259,6 +265,8 @@ class Sampler:
         if ban_rows:
             index = torch.tensor([ban_rows, ban_tokens], dtype=torch.long).to(logits.device, non_blocking=True)
             logits[index[0], index[1]] = float("-inf")
+        if masks is not None:
+            masks.apply(logits)
         # The row maximum is NaN if any logit is (max propagates NaN), +inf for a broken row and -inf when
         # every token is banned: a row whose maximum is not finite has no token to give.
         best, tokens = row_max(logits)

@@ -14,6 +14,8 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from tritium.backend.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
@@ -36,6 +38,8 @@ class SamplingParams:
     top_k beyond the vocabulary means all of it; top_p 1 and min_p 0 disable theirs. repetition_penalty is
     in [0.01, 100] so that penalized logits stay finite.
     `logprobs=n` returns the sampled token's logprob and the n most likely (raw model distribution).
+    `structured_output` (a StructuredOutput, or its dict / JSON text: `{"json": schema}`, `{"regex": ...}`,
+    `{"choice": [...]}`, `{"grammar": ...}`, `{"json_object": true}`) constrains every token to it.
     Construction raises ValueError naming the field and the rule when a value is invalid.
     A new field needs only its type and bounds here: the parsers and the validation follow from them.
     """
@@ -57,8 +61,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = field(default=None, metadata=_bounds(ge=0, le=MAX_LOGPROBS))
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar the output matches
 
     def __post_init__(self) -> None:
+        if self.structured_output is not None:
+            self.structured_output = StructuredOutput.from_value(self.structured_output)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -115,7 +122,7 @@ class SamplingField:
     """One field of SamplingParams as the parsers see it."""
 
     name: str
-    type: type  # int, float, bool, str or list
+    type: type  # int, float, bool, str, list or StructuredOutput
     item: type | None  # a list's element type
     optional: bool  # None is allowed (and means "not set")
     default: Any
@@ -150,8 +157,9 @@ def _describe(cls: type) -> dict[str, SamplingField]:
             hint = members[0]
         origin = typing.get_origin(hint) or hint
         item = typing.get_args(hint)[0] if origin is list else None
-        if origin not in (int, float, bool, str, list):
-            raise TypeError(f"SamplingParams.{f.name}: the parsers know int, float, bool, str and list, not {hint}")
+        if origin not in (int, float, bool, str, list, StructuredOutput):
+            raise TypeError(f"SamplingParams.{f.name}: the parsers know int, float, bool, str, list and "
+                            f"StructuredOutput, not {hint}")
         default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
         described[f.name] = SamplingField(f.name, origin, item, optional, default, dict(f.metadata))
     return described

@@ -1,8 +1,9 @@
 """Compile every kernel variant the engine launches for real NVIDIA targets without a GPU, and read ptxas'
 register/spill report.
 
-`python -m tritium.kernels.compile_check [--arch 80 90] [--json] [--jobs N]` calls the host wrappers with
-`tiles="gpu"` on the warm-up calls (kernels/warmup.py) of several model shapes and dtypes, records each
+`python -m tritium.kernels.compile_check [--arch 80 90] [--json] [--jobs N] [--kernel NAME ...]` calls the host
+wrappers with `tiles="gpu"` on the warm-up calls (kernels/warmup.py) of several model shapes (vocabulary
+sizes included) and dtypes, records each
 kernel launch instead of running it, and derives what the JIT would build from it on that GPU with
 Triton's own binder (signature, constexprs, the divisible-by-16 and equal-to-1 specialization, honouring
 `do_not_specialize`; num_warps, num_stages). Identical variants are compiled once (ASTSource +
@@ -47,25 +48,27 @@ class ModelShape(NamedTuple):
     head_dim: int
     intermediate: int
     rotary_dim: int
+    vocab: int = 49152
 
     def engine_shape(self, dtype: Any, block_size: int, max_blocks_per_seq: int) -> Any:
         """The warm-up's `EngineShape` of an engine serving this model on CPU tensors."""
         from tritium.kernels.warmup import EngineShape
 
         return EngineShape(self.heads, self.kv_heads, self.head_dim, self.hidden, self.intermediate, self.rotary_dim,
-                           block_size, max_blocks_per_seq, dtype)
+                           block_size, max_blocks_per_seq, dtype, vocab_size=self.vocab)
 
 
-# The default model and Llama/Qwen shapes covering GQA groups 1, 3, 4, 8 at head_dim 64 and 128.
+# The default model and Llama/Qwen shapes covering GQA groups 1, 3, 4, 8 at head_dim 64 and 128, with their
+# vocabulary sizes.
 MODELS = (
-    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 1536, 64),
-    ModelShape("Qwen1.5-0.5B", 1024, 16, 16, 64, 2816, 64),
-    ModelShape("Llama-3.2-1B", 2048, 32, 8, 64, 8192, 64),
-    ModelShape("TinyLlama-1.1B", 2048, 32, 4, 64, 5632, 64),
-    ModelShape("Llama-2-7B", 4096, 32, 32, 128, 11008, 128),
-    ModelShape("Llama-3.2-3B", 3072, 24, 8, 128, 8192, 128),
-    ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 14336, 128),
-    ModelShape("Qwen2.5-3B", 2048, 16, 2, 128, 11008, 128),
+    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 1536, 64, 49152),
+    ModelShape("Qwen1.5-0.5B", 1024, 16, 16, 64, 2816, 64, 151936),
+    ModelShape("Llama-3.2-1B", 2048, 32, 8, 64, 8192, 64, 128256),
+    ModelShape("TinyLlama-1.1B", 2048, 32, 4, 64, 5632, 64, 32000),
+    ModelShape("Llama-2-7B", 4096, 32, 32, 128, 11008, 128, 32000),
+    ModelShape("Llama-3.2-3B", 3072, 24, 8, 128, 8192, 128, 128256),
+    ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 14336, 128, 128256),
+    ModelShape("Qwen2.5-3B", 2048, 16, 2, 128, 11008, 128, 151936),
 )
 
 
@@ -257,8 +260,11 @@ def _compile(variant: Variant) -> tuple[tuple[int, int, int] | None, str | None]
         return None, f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def run_check(archs: list[int], jobs: int) -> list[CompileResult]:
+def run_check(archs: list[int], jobs: int, kernels: list[str] | None = None) -> list[CompileResult]:
+    """Compile every variant (only those of `kernels`, kernel function names, if given)."""
     found = collect(archs)
+    if kernels:
+        found = {v: r for v, r in found.items() if v.kernel in kernels}
     variants = list(found)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         outcomes = list(pool.map(_compile, variants))
@@ -280,12 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--kernel", nargs="+", metavar="NAME",
+                        help="only these kernels (function names, e.g. token_bitmask_kernel)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPUs", file=sys.stderr)
         return 2
     start = time.monotonic()
-    results = run_check(args.arch, args.jobs)
+    results = run_check(args.arch, args.jobs, args.kernel)
     for r in results:
         if args.json:
             print(json.dumps(asdict(r)))
@@ -294,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             detail = r.error or f"{r.registers} regs, spills {r.spill_stores}/{r.spill_loads} B"
             print(f"{status:5} sm_{r.arch} {r.kernel:25} {r.dtype:4} w{r.num_warps}s{r.num_stages} "
                   f"{_short(r.constexprs):58} {detail}")
+    if not results:
+        print(f"no variant of {args.kernel}", file=sys.stderr)
+        return 2
     failed = sum(r.failed for r in results)
     print(f"{len(results)} variants for sm_{'/sm_'.join(map(str, args.arch))} in {time.monotonic() - start:.0f} s, "
           f"{failed} failed", file=sys.stderr)

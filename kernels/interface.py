@@ -45,5 +45,11 @@ class KernelOps(Protocol):
         """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
         ...
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """In place: logits row `rows[r]` keeps token t where bit t % 32 of `bitmask[r, t // 32]` is set; every
+        other token (and any t >= 32 * bitmask.shape[1]) gets -inf. Other rows are untouched."""
+        ...
 
-OP_NAMES = ("store_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul")
+
+OP_NAMES = ("store_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+            "apply_token_bitmask")

@@ -172,3 +172,62 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]).mul_(x[..., d:])
+
+
+_SAME_SIZE_INT = {4: torch.int32, 2: torch.int16}
+_MASK_CHUNK = 1 << 20  # tokens of integer mask unpacked at once
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set the tokens a grammar disallows to -inf, in place.
+
+    `logits` `[B, V]`; `bitmask` `[R, W]` int32, bit `t % 32` of word `t // 32` set when token `t` is
+    allowed (llguidance's / xgrammar's layout); tokens `t >= 32 * W` are disallowed. Bitmask row `r` applies
+    to logits row `rows[r]` (int32 or int64); other rows are untouched, allowed tokens keep their exact
+    value. A row listed twice gets the intersection of its masks.
+
+    This is also the CPU path, so it avoids what is slow in torch on CPU (boolean masked_fill and where,
+    index_select / index_copy of the rows, big temporaries): the bits of up to about 1M tokens at a time
+    unpack into an integer mask, all ones (allowed) or zeros per token, and each run of consecutive logits
+    rows is updated in place as one 2D view (three integer ops): its bits become `((x ^ NEG) & mask) ^ NEG`,
+    NEG being -inf's bit pattern. fp64 logits or strided tokens take a plain masked_fill. Reads `rows` on
+    the host (a sync on CUDA).
+    """
+    num_rows, num_words = bitmask.shape
+    vocab = logits.shape[1]
+    if num_rows == 0 or vocab == 0:
+        return
+    packed = min(vocab, 32 * num_words)
+    row_list = rows.tolist()
+    int_dtype = _SAME_SIZE_INT.get(logits.element_size()) if logits.is_floating_point() else None
+    if int_dtype is None or logits.stride(1) != 1:  # other dtypes, strided tokens: the plain definition
+        tokens = torch.arange(packed, device=logits.device)
+        words = bitmask.gather(1, (tokens // 32).expand(num_rows, packed))
+        allowed = torch.zeros(num_rows, vocab, dtype=torch.bool, device=logits.device)
+        allowed[:, :packed] = ((words >> (tokens % 32).to(torch.int32)) & 1).bool()
+        for r, row in enumerate(row_list):
+            logits[row].masked_fill_(~allowed[r], float("-inf"))
+        return
+    if bitmask.stride(1) != 1:
+        bitmask = bitmask.contiguous()
+    bits = 8 * logits.element_size()
+    neg = torch.tensor(float("-inf"), dtype=logits.dtype).view(int_dtype).item()
+    shifts = (bits - 1) - torch.arange(bits, dtype=int_dtype, device=logits.device)
+    units = bitmask.view(int_dtype)  # little-endian: unit k of a word holds the word's bits bits*k and up
+    ints = logits.view(int_dtype)
+    step = max(1, _MASK_CHUNK // (32 * num_words))
+    for start in range(0, num_rows, step):
+        # Each bit moved to the sign bit, then shifted back arithmetically: -1 (allowed) or 0.
+        chunk = units[start : start + step]
+        mask = (chunk[:, :, None] << shifts).bitwise_right_shift_(bits - 1).view(chunk.shape[0], -1)
+        r, end = 0, mask.shape[0]
+        while r < end:
+            first = row_list[start + r]
+            n = 1
+            while r + n < end and row_list[start + r + n] == first + n:
+                n += 1
+            x = ints[first : first + n]
+            x[:, :packed].bitwise_xor_(neg).bitwise_and_(mask[r : r + n, :packed]).bitwise_xor_(neg)
+            if packed < vocab:
+                x[:, packed:] = neg
+            r += n

@@ -4,5 +4,7 @@ attention backend binds to. Same names and signatures as `tritium.kernels.refere
 from tritium.kernels.decode_attention import decode_attention
 from tritium.kernels.elementwise import rms_norm, rotary_embedding, silu_and_mul, store_kv
 from tritium.kernels.prefill_attention import prefill_attention
+from tritium.kernels.token_bitmask import apply_token_bitmask
 
-__all__ = ["decode_attention", "prefill_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv"]
+__all__ = ["apply_token_bitmask", "decode_attention", "prefill_attention", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "store_kv"]

@@ -5,7 +5,9 @@ configuration; see each kernel module's docstring); step-dependent counts are no
 decode split count is one of `SPLIT_CHOICES`. One launch per variant at the engine's model configuration
 therefore covers every later launch, provided the dummy tensors have the engine's dtypes: q, k, v are
 views into one fused qkv output of the model dtype, the rotary cache is fp32, block tables, lengths and
-cu_seqlens int32, positions and slots `index_dtype` (int32, as the engine stages them).
+cu_seqlens int32, positions and slots `index_dtype` (int32, as the engine stages them). The token bitmask
+(kernels/token_bitmask.py) is applied to fp32 logits of the engine's vocabulary size, its `rows` either
+int32 or int64 (the contract takes both), so both variants are built.
 `tritium.kernels.compile_check` compiles exactly these calls for sm_80/sm_90.
 """
 
@@ -32,7 +34,8 @@ class OpCall:
 @dataclass(frozen=True)
 class EngineShape:
     """What an engine's kernel launches specialize on: its model's shape, dtype, block size, the width of its
-    block tables, its device, and the dtype of the positions and slots it passes."""
+    block tables, its device, the dtype of the positions and slots it passes, and its vocabulary size (the
+    logits' width; the default is SmolLM2's, the default model's)."""
 
     num_heads: int
     num_kv_heads: int
@@ -45,11 +48,13 @@ class EngineShape:
     dtype: torch.dtype
     device: torch.device | str = "cpu"
     index_dtype: torch.dtype = torch.int32
+    vocab_size: int = 49152
 
 
 def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT_CHOICES) -> list[OpCall]:
-    """The op calls `warm_up` makes: each op once (rms_norm with and without residual, decode_attention
-    once per entry of `split_choices`, None meaning the automatic choice), on small dummy tensors."""
+    """The op calls `warm_up` makes: each op once (rms_norm with and without residual, apply_token_bitmask
+    with int32 and int64 rows, decode_attention once per entry of `split_choices`, None meaning the
+    automatic choice), on small dummy tensors."""
     num_heads, num_kv_heads, head_dim, dtype = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     tokens = 2
     dev = torch.device(shape.device)
@@ -69,6 +74,8 @@ def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT
     cu_seqlens_q = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
     seq_lens = torch.tensor([tokens], dtype=torch.int32, device=dev)
     scale = head_dim**-0.5
+    logits = torch.zeros(tokens, shape.vocab_size, dtype=torch.float32, device=dev)
+    bitmask = torch.full((1, -(-shape.vocab_size // 32)), -1, dtype=torch.int32, device=dev)  # all allowed
     calls = [
         OpCall("rms_norm", (x, weight, 1e-6)),
         OpCall("rms_norm", (x, weight, 1e-6, x.clone())),
@@ -76,6 +83,8 @@ def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT
         OpCall("store_kv", (k, v, key_cache, value_cache, slot_mapping)),
         OpCall("prefill_attention", (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, tokens)),
         OpCall("silu_and_mul", (torch.zeros(tokens, 2 * shape.intermediate_size, dtype=dtype, device=dev),)),
+        *(OpCall("apply_token_bitmask", (logits, bitmask, torch.zeros(1, dtype=rows_dtype, device=dev)))
+          for rows_dtype in (torch.int32, torch.int64)),
     ]
     for splits in split_choices:
         kwargs = {} if splits is None else {"num_splits": splits}

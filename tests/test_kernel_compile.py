@@ -17,9 +17,10 @@ import torch
 from tritium.kernels import triton_ops
 from tritium.kernels.compile_check import Specializer, collect, recording
 from tritium.kernels.decode_attention import SPLIT_CHOICES
+from tritium.kernels.token_bitmask import apply_token_bitmask
 
 KERNELS = {"store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel",
-           "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel"}
+           "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel", "token_bitmask_kernel"}
 DTYPES = ("fp16", "bf16", "fp32")
 ATTENTION = set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8)))  # dtype, head_dim, GQA group
 REDUCE = set(itertools.product(DTYPES, (64, 128), SPLIT_CHOICES))
@@ -37,6 +38,8 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
     assert built == REDUCE, REDUCE - built
     smol = {r["kernel"] for r in mine if "SmolLM2-135M" in r["models"]}
     assert smol == KERNELS
+    bitmask = [r for r in mine if r["kernel"] == "token_bitmask_kernel"]
+    assert len(bitmask) == 2  # int32 and int64 rows; fp32 logits of every vocabulary size (all multiples of 16)
 
 
 def test_the_check_covers_kernels_dtypes_head_dims_groups_and_splits() -> None:
@@ -63,6 +66,27 @@ def test_rms_norm_specialization_is_derived_from_the_wrapper() -> None:
     assert {"hidden", "stride_x", "x_ptr", "out_ptr", "weight_ptr"} <= set(v.divisible_by_16)
     assert v.constexpr_values() == {"HAS_RESIDUAL": False, "BLOCK_R": 4, "BLOCK_H": 1024}
     assert v.option("num_warps") == 4 and v.option("arch") == "sm90"
+
+
+def test_token_bitmask_specialization_is_derived_from_the_wrapper() -> None:
+    # Any row count, rows read from views at any offset of a staging buffer, bitmasks of any width taken
+    # from any row of a persistent buffer: one binary per rows dtype.
+    staging = torch.zeros(64, dtype=torch.int32)
+    bitmasks = torch.zeros(64, 1571, dtype=torch.int32)
+    logits = torch.zeros(33, 49152)
+    with recording() as launches:
+        for count, offset, words in ((1, 0, 1536), (16, 1, 1571), (17, 3, 1000), (32, 16, 1)):
+            apply_token_bitmask(logits, bitmasks[offset : offset + count, :words], staging[offset : offset + count],
+                                tiles="gpu")
+    assert len(launches) == 4
+    variants = {Specializer(90).variant(launch) for launch in launches}
+    assert len(variants) == 1
+    (v,) = variants
+    signature = dict(v.signature)
+    assert signature["logits_ptr"] == "*fp32" and signature["rows_ptr"] == "*i32" and signature["num_words"] == "i32"
+    assert set(v.divisible_by_16) == {"logits_ptr", "vocab", "stride_logits"} and v.equal_to_1 == ()
+    assert v.constexpr_values() == {"BLOCK_W": 64}
+    assert v.option("num_warps") == 4
 
 
 @pytest.mark.slow

@@ -14,20 +14,30 @@ from tritium.backend import LLM, SamplingParams
 from tritium.kernels import reference, triton_ops
 from tritium.kernels.compile_check import MODELS, Launch, ModelShape, Specializer, Variant, recording
 from tritium.kernels.decode_attention import SPLIT_CHOICES
+from tritium.kernels.token_bitmask import apply_token_bitmask
 from tritium.kernels.warmup import EngineShape, warm_up, warmup_calls
 
 from conftest import _save_tiny
 
 TINY = EngineShape(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=64, intermediate_size=128, rotary_dim=32,
-                   block_size=16, max_blocks_per_seq=4, dtype=torch.float32)
+                   block_size=16, max_blocks_per_seq=4, dtype=torch.float32, vocab_size=1000)
 
 
 def test_warm_up_with_the_reference_ops() -> None:
-    assert warm_up(reference, TINY) == 7  # six ops (rms_norm twice), decode once
+    assert warm_up(reference, TINY) == 9  # seven ops (rms_norm twice, the token bitmask twice), decode once
 
 
 def test_warm_up_with_the_triton_ops_under_the_interpreter() -> None:
-    assert warm_up(triton_ops, TINY) == 6 + len(SPLIT_CHOICES)
+    assert warm_up(triton_ops, TINY) == 8 + len(SPLIT_CHOICES)
+
+
+def test_the_warm_up_applies_the_token_bitmask_at_the_vocab_size() -> None:
+    calls = [c for c in warmup_calls(TINY) if c.op == "apply_token_bitmask"]
+    assert [c.args[2].dtype for c in calls] == [torch.int32, torch.int64]
+    assert all(c.args[0].shape[1] == 1000 and c.args[0].dtype == torch.float32 for c in calls)
+    assert all(c.args[1].shape[1] == 32 and c.args[1].dtype == torch.int32 for c in calls)
+    assert EngineShape(4, 2, 32, 64, 128, 32, 16, 4, torch.float32).vocab_size == 49152  # the default model's
+    assert triton_ops.apply_token_bitmask is apply_token_bitmask
 
 
 def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], prefill: list[tuple[int, int]],
@@ -80,6 +90,18 @@ def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], p
         triton_ops.prefill_attention(q[nd:], key_cache, value_cache, tables, cu, seq_lens, 0.1, max(q_lens),
                                      tiles="gpu")
     triton_ops.silu_and_mul(torch.zeros(n, 2 * model.intermediate, dtype=dtype), tiles="gpu")
+    # Structured output: some of the step's sampled rows constrained, their logits rows staged like the
+    # other step inputs (int32) or given as int64; the bitmask is as wide as the grammar engine's tokenizer
+    # (not always V / 32) and may be rows of a persistent buffer.
+    num_seqs = nd + len(prefill)
+    logits = torch.zeros(num_seqs, model.vocab)
+    bitmasks = torch.zeros(num_seqs + 1, model.vocab // 32 - 3, dtype=torch.int32)
+    for count in {1, num_seqs}:
+        rows = stage(count)
+        rows.copy_(torch.arange(count))
+        apply_token_bitmask(logits, bitmasks[1 : 1 + count], rows, tiles="gpu")
+        apply_token_bitmask(logits, torch.zeros(count, -(-model.vocab // 32), dtype=torch.int32),
+                            torch.arange(count), tiles="gpu")
 
 
 def variants(launches: list[Launch]) -> set[Variant]:

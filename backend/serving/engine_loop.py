@@ -170,7 +170,7 @@ class EngineLoop:
             elif self.num_pending >= self.max_pending_requests:
                 refusal = (f"overloaded: {self.num_pending} requests are already waiting (max_pending_requests "
                            f"{self.max_pending_requests}); retry later", ErrorKind.OVERLOADED)
-            elif job.prompt_token_ids is None:
+            elif job.prompt_token_ids is None or job.params.structured_output is not None:
                 self._to_tokenize.append(job)
             else:
                 self._queue.append(job)
@@ -227,8 +227,11 @@ class EngineLoop:
                 job = self._to_tokenize.popleft()
                 self._tokenizing = 1
             try:
-                ids = self.engine.tokenize(job.prompt or "")
+                ids = job.prompt_token_ids
+                if ids is None:
+                    ids = self.engine.tokenize(job.prompt or "")
                 self.engine.check_request(ids, job.params)  # a hopeless prompt never reaches the engine thread
+                self.engine.check_structured_output(job.params)  # compiled here, not on the engine thread
                 job.prompt_token_ids = ids
             except ValueError as exc:
                 self._fail(job, f"invalid request: {exc}", ErrorKind.INVALID)

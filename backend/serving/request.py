@@ -18,6 +18,9 @@ import numpy as np
 from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: longer prompts are refused before tokenization
+# Other names of `structured_output`: vLLM's newer `structured_outputs` and its older `guided_decoding`, each
+# an object or its JSON text, as Triton's vLLM backend takes them.
+STRUCTURED_OUTPUT_ALIASES = ("structured_outputs", "guided_decoding")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                "return_num_output_tokens", "return_logprobs", "apply_chat_template")
 
@@ -94,11 +97,24 @@ def coerce_field(name: str, value: Any) -> Any:
 def sampling_from_dict(raw: dict[str, Any], strict: bool = True) -> SamplingParams:
     """SamplingParams from JSON-ish values. With `strict`, unknown keys are an error; otherwise
     they are left out (the caller handles them)."""
+    raw = _resolve_aliases(raw)
     unknown = sorted(set(raw) - set(SAMPLING_FIELDS))
     if unknown and strict:
         raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
     values = {k: coerce_field(k, v) for k, v in raw.items() if k in SAMPLING_FIELDS and v is not None}
     return SamplingParams.from_dict(values)
+
+
+def _resolve_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with `structured_outputs` / `guided_decoding` renamed to `structured_output` (only one may be set)."""
+    named = [k for k in ("structured_output", *STRUCTURED_OUTPUT_ALIASES) if raw.get(k) is not None]
+    if len(named) > 1:
+        raise ValueError(f"set only one of {', '.join(named)}")
+    if not named or named[0] == "structured_output":
+        return raw
+    out = {k: v for k, v in raw.items() if k not in STRUCTURED_OUTPUT_ALIASES}
+    out["structured_output"] = raw[named[0]]
+    return out
 
 
 def parse_sampling_json(text: str) -> dict[str, Any]:
@@ -159,7 +175,7 @@ def parse_text_request(inputs: dict[str, np.ndarray | None], parameters: dict[st
             continue  # client/transport settings such as triton_enable_empty_final_response
         if key in FLAG_INPUTS:
             flags[key] = _as_bool(key, value)
-        elif key in SAMPLING_FIELDS:
+        elif key in SAMPLING_FIELDS or key in STRUCTURED_OUTPUT_ALIASES:
             sampling[key] = value
         else:
             raise ValueError(f"unknown request parameter {key!r}")

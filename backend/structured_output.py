@@ -1,0 +1,138 @@
+"""What a request's output must match: `SamplingParams.structured_output`, and its grammar for llguidance.
+
+One of a JSON schema, any JSON object, a regex, a choice of strings or a Lark/GBNF grammar. Requests name it
+the way vLLM does (`{"json": ...}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ...}`,
+`{"json_object": true}`, as a dict or as its JSON text). `from_value` refuses anything else with a ValueError
+naming the key. Whether the constraint can be enforced (a schema keyword llguidance does not implement, a
+regex that does not parse) is known only once compiled: `grammar_compiler.py`.
+
+JSON is compact by default (no whitespace between tokens: fewer tokens, and a small model cannot wander off
+into blank lines); `disable_any_whitespace: false` allows JSON whitespace, `whitespace_pattern` sets it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's options: `backend` names a library (tritium always uses llguidance), `disable_fallback` asks for no
+# fallback to another library (there is none): both change nothing here.
+IGNORED_OPTIONS = ("backend", "disable_fallback")
+MAX_SOURCE_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused before compiling
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One constraint on a request's output. `json` is the schema as canonical JSON text (so that equal
+    schemas share a compiled grammar); `choice` the allowed strings."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+    any_whitespace: bool = False
+
+    @classmethod
+    def from_value(cls, value: Any) -> StructuredOutput:
+        """From a dict (or its JSON text) in vLLM's shape. Raises ValueError naming the key and the rule."""
+        if isinstance(value, StructuredOutput):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError("structured_output must be a JSON object such as {\"json\": {...}} or "
+                                 "{\"regex\": \"...\"}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_output must be an object, got {type(value).__name__}")
+        unknown = sorted(set(value) - {*KINDS, *IGNORED_OPTIONS, "whitespace_pattern", "disable_any_whitespace"})
+        if unknown:
+            raise ValueError(f"structured_output: unsupported key(s) {', '.join(unknown)}; supported: "
+                             f"{', '.join(KINDS)} (one of them), whitespace_pattern, disable_any_whitespace")
+        given = [k for k in KINDS if value.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_output must set exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        kind = given[0]
+        fields: dict[str, Any] = {kind: _source(kind, value[kind])}
+        if (pattern := value.get("whitespace_pattern")) is not None:
+            fields["whitespace_pattern"] = _text("whitespace_pattern", pattern)
+        if (compact := value.get("disable_any_whitespace")) is not None:
+            if not isinstance(compact, bool):
+                raise ValueError("structured_output.disable_any_whitespace must be a boolean")
+            fields["any_whitespace"] = not compact
+        return cls(**fields)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request's shape again (what `from_value` takes)."""
+        out: dict[str, Any] = {self.kind: json.loads(self.json) if self.json is not None else getattr(self, self.kind)}
+        if self.choice is not None:
+            out["choice"] = list(self.choice)
+        if self.whitespace_pattern is not None:
+            out["whitespace_pattern"] = self.whitespace_pattern
+        if self.any_whitespace:
+            out["disable_any_whitespace"] = False
+        return out
+
+    def lark_or_json_grammar(self) -> tuple[str, str]:
+        """(kind, source) for the compiler: "json" with a schema's text, "regex", or "lark" with a grammar."""
+        if self.json is not None or self.json_object:
+            return "json", self.json if self.json is not None else '{"type":"object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:  # a Lark rule of JSON-quoted literals: any character is safe in them
+            return "lark", "start: " + " | ".join(json.dumps(c) for c in self.choice)
+        assert self.grammar is not None
+        return "lark", self.grammar
+
+    def json_options(self) -> dict[str, Any]:
+        """llguidance's JSON compile options for this request."""
+        options: dict[str, Any] = {"whitespace_flexible": self.any_whitespace or self.whitespace_pattern is not None}
+        if self.whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.whitespace_pattern
+        return options
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"structured_output.{name} must be a non-empty string")
+    if len(value) > MAX_SOURCE_CHARS:
+        raise ValueError(f"structured_output.{name} is longer than {MAX_SOURCE_CHARS} characters")
+    return value
+
+
+def _source(kind: str, value: Any) -> Any:
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError("structured_output.json_object must be true")
+        return True
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError("structured_output.json must be a JSON schema (an object, or its JSON "
+                                 "text)") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValueError("structured_output.json must be a JSON schema (an object)")
+        try:
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        except (ValueError, RecursionError):
+            raise ValueError("structured_output.json is nested too deeply") from None
+        return _text("json", text)
+    if kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError("structured_output.choice must be a non-empty list of strings")
+        if not all(isinstance(c, str) and c for c in value):
+            raise ValueError("structured_output.choice must hold non-empty strings")
+        _text("choice", "".join(value))
+        return tuple(value)
+    return _text(kind, value)
