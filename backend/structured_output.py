@@ -41,12 +41,7 @@ class StructuredOutput:
         """From a dict (or its JSON text) in vLLM's shape. Raises ValueError naming the key and the rule."""
         if isinstance(value, StructuredOutput):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except (json.JSONDecodeError, RecursionError):
-                raise ValueError("structured_output must be a JSON object such as {\"json\": {...}} or "
-                                 "{\"regex\": \"...\"}") from None
+        value = _parsed(value, "structured_output must be a JSON object such as {\"json\": {...}}")
         if not isinstance(value, dict):
             raise ValueError(f"structured_output must be an object, got {type(value).__name__}")
         unknown = sorted(set(value) - {*KINDS, *IGNORED_OPTIONS, "whitespace_pattern", "disable_any_whitespace"})
@@ -101,6 +96,16 @@ class StructuredOutput:
         return options
 
 
+def _parsed(value: Any, error: str) -> Any:
+    """`value`, or what its JSON text holds when it is a string; ValueError(`error`) when that is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError):
+        raise ValueError(error) from None
+
+
 def _text(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"structured_output.{name} must be a non-empty string")
@@ -115,12 +120,7 @@ def _source(kind: str, value: Any) -> Any:
             raise ValueError("structured_output.json_object must be true")
         return True
     if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except (json.JSONDecodeError, RecursionError):
-                raise ValueError("structured_output.json must be a JSON schema (an object, or its JSON "
-                                 "text)") from None
+        value = _parsed(value, "structured_output.json must be a JSON schema (an object, or its JSON text)")
         if not isinstance(value, (dict, bool)):
             raise ValueError("structured_output.json must be a JSON schema (an object)")
         try:

@@ -21,6 +21,7 @@ from tritium.backend.serving.ids_model import SCALAR_INPUTS, IdsSink, parse_ids_
 from tritium.backend.serving.request import FLAG_INPUTS, TextRequest, parse_text_request
 from tritium.backend.serving.text_codec_models import decode_delta, encode_prompt
 from tritium.backend.serving.text_model import TextSink
+from tritium.backend.structured_output import StructuredOutput
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client import openai_protocol
 from tritium.client.triton_server import PACKAGE_REPOSITORY
@@ -150,6 +151,8 @@ def _valid_value(spec: SamplingField) -> Any:
         return (lo if lo is not None else 0) + 1
     if spec.type is float:
         return (lo + hi) / 2 if lo is not None and hi is not None else (lo or 0.0) + 0.5
+    if spec.type is StructuredOutput:
+        return StructuredOutput(regex="[a-z]+")
     assert spec.type is list, f"{spec.name}: add its kind to this test"
     return ["a"] if spec.item is str else [1]
 
@@ -158,6 +161,8 @@ def _as_string(value: Any) -> str:
     """How a loosely typed client (genai-perf) sends it: every value a string."""
     if isinstance(value, list):
         return json.dumps(value)
+    if isinstance(value, StructuredOutput):
+        return json.dumps(value.to_dict())
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -165,7 +170,7 @@ def _as_string(value: Any) -> str:
 def test_every_sampling_field_is_accepted_by_the_triton_parser_with_its_type_coerced(name: str) -> None:
     spec = SAMPLING_FIELDS[name]
     value = _valid_value(spec)
-    for sent in (value, _as_string(value)):
+    for sent in (value.to_dict() if isinstance(value, StructuredOutput) else value, _as_string(value)):
         from_json = parse_text_request(text_inputs(sampling_parameters=json.dumps({name: sent}).encode()), {})
         from_parameters = parse_text_request(text_inputs(), {name: sent})
         for parsed in (from_json, from_parameters):
