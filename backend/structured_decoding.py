@@ -95,6 +95,7 @@ class StructuredDecoding:
             words = (self.compiler.vocab_size + 31) // 32
             self._host = torch.zeros(self.max_rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         host = self._host[: len(rows)]
+        host.zero_()  # a row llguidance leaves unwritten (its matcher failed) allows nothing, rather than stale bits
         # llguidance.torch has this call too, but importing it runs torch.compile (and imports inductor).
         job = self._worker.submit(self._executor.unsafe_compute_mask_ptr, pairs, host.data_ptr(),
                                   host.shape[1] * host.element_size(), len(rows))
@@ -123,14 +124,19 @@ class StructuredDecoding:
             return verdicts
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             matcher = self.matchers.get(seq.request_id)
-            if matcher is None or token is None:
+            if matcher is None:
                 continue
-            if not matcher.consume_token(token):
-                verdicts[row] = Verdict(error=f"the sampled token broke the request's structured_output grammar: "
-                                              f"{matcher.get_error() or 'token not allowed'}")
-            else:
+            if matcher.is_error() or (token is not None and not matcher.consume_token(token)):
+                verdicts[row] = Verdict(error=f"the structured_output grammar cannot go on: {_reason(matcher)}")
+            elif token is not None:
                 verdicts[row] = Verdict(complete=matcher.is_stopped())
         return verdicts
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(matcher: llguidance.LLMatcher) -> str:
+    """The first line of the matcher's error (the rest is a dump of its state and grammar)."""
+    lines = (matcher.get_error() or "").strip().splitlines()
+    return lines[0][:300] if lines else "the sampled token is not allowed"

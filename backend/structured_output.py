@@ -13,6 +13,7 @@ into blank lines); `disable_any_whitespace: false` allows JSON whitespace, `whit
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +22,16 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # fallback to another library (there is none): both change nothing here.
 IGNORED_OPTIONS = ("backend", "disable_fallback")
 MAX_SOURCE_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused before compiling
+# llguidance 1.9.1 masks and parses disagree on a literal whose UTF-8 starts with F1 or F2 (planes 4-11, which
+# Unicode leaves unassigned): the mask allows a byte the parser then refuses. Such constraints are refused.
+UNWRITABLE = re.compile("[\U00040000-\U000BFFFF]")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """One constraint on a request's output. `json` is the schema as canonical JSON text (so that equal
-    schemas share a compiled grammar); `choice` the allowed strings."""
+    """One constraint on a request's output. `json` is the schema as compact JSON text in the schema's own key
+    order (llguidance writes properties in that order; a schema sent again shares the compiled grammar);
+    `choice` the allowed strings."""
 
     json: str | None = None
     json_object: bool = False
@@ -83,8 +88,9 @@ class StructuredOutput:
             return "json", self.json if self.json is not None else '{"type":"object"}'
         if self.regex is not None:
             return "regex", self.regex
-        if self.choice is not None:  # a Lark rule of JSON-quoted literals: any character is safe in them
-            return "lark", "start: " + " | ".join(json.dumps(c) for c in self.choice)
+        if self.choice is not None:  # a Lark rule of JSON-quoted literals (characters beyond the BMP as they are:
+            # llguidance reads a \ud83d\ude00 escape pair as two lone surrogates, not one character)
+            return "lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
         assert self.grammar is not None
         return "lark", self.grammar
 
@@ -106,11 +112,15 @@ def _parsed(value: Any, error: str) -> Any:
         raise ValueError(error) from None
 
 
-def _text(name: str, value: Any) -> str:
+def _text(name: str, value: Any, characters: str | None = None) -> str:
+    """`value` when it is a usable source; `characters`: its characters when `value` escapes them (JSON)."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"structured_output.{name} must be a non-empty string")
     if len(value) > MAX_SOURCE_CHARS:
         raise ValueError(f"structured_output.{name} is longer than {MAX_SOURCE_CHARS} characters")
+    if (bad := UNWRITABLE.search(characters if characters is not None else value)) is not None:
+        raise ValueError(f"structured_output.{name} holds U+{ord(bad.group()):X}: characters U+40000-U+BFFFF "
+                         "(unassigned planes 4-11) cannot be enforced")
     return value
 
 
@@ -124,10 +134,11 @@ def _source(kind: str, value: Any) -> Any:
         if not isinstance(value, (dict, bool)):
             raise ValueError("structured_output.json must be a JSON schema (an object)")
         try:
-            text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+            text = json.dumps(value, separators=(",", ":"))  # key order kept: properties come out in it
+            characters = json.dumps(value, ensure_ascii=False)
         except (ValueError, RecursionError):
             raise ValueError("structured_output.json is nested too deeply") from None
-        return _text("json", text)
+        return _text("json", text, characters)
     if kind == "choice":
         if not isinstance(value, (list, tuple)) or not value:
             raise ValueError("structured_output.choice must be a non-empty list of strings")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -21,6 +24,26 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson`: plain JSON (jinja's own escapes <, > and & for HTML, which tool templates
+    must not show the model)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in (loop controls, `tojson`, `strftime_now`)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template: {message}")
+
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 class Tokenizer:
@@ -89,22 +112,33 @@ class Tokenizer:
         when the model has no template."""
         return self.apply_chat_template([{"role": "user", "content": text}])
 
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template takes `tools` (it references the variable)."""
+        if not self.chat_template:
+            return False
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(_template_env().parse(self.chat_template))
+        except jinja2.TemplateError:
+            return False
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        return _template_env().from_string(self.chat_template)
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render the model's chat template. Raises ValueError when the model has none or the
-        template rejects the messages."""
+        """Render the model's chat template; `tools` (OpenAI's `{"type": "function", "function": ...}`
+        objects) are passed as transformers passes them (None when there are none). Raises ValueError when
+        the model has none or the template rejects the messages."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
+            return self._compiled_template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

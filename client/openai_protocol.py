@@ -4,6 +4,11 @@ The sampling fields follow SamplingParams: the vLLM-style extensions (`VLLM_EXTR
 from its declared fields (type, default, bounds); OpenAI's own fields take their bounds from it too, except
 where OpenAI's rule is stricter (temperature at most 2). tests/test_serving_units.py checks that whatever
 these models accept, SamplingParams accepts.
+
+Structured output: OpenAI's `response_format`, vLLM's `guided_*` extras and its newer `structured_outputs`
+object all become the engine's `structured_output` (`SamplingFields.structured_output`); one constraint per
+request. `json_schema.strict` and `guided_decoding_backend` are accepted and ignored: the engine always
+enforces the schema, with llguidance.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from tritium.backend.sampling_params import MAX_SEED as MAX_SEED  # re-exported for openai_server
 from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingField
@@ -25,9 +30,12 @@ DEFAULT_MAX_CONCURRENCY = 256  # upstream requests in flight per endpoint (`trit
 RETRY_AFTER_S = 1  # the Retry-After of a 503
 
 
-def _utf8(value: str | list[str] | None) -> str | list[str] | None:
-    """Reject strings that cannot be sent on as UTF-8 (lone surrogates such as JSON "\\ud800")."""
-    for text in [value] if isinstance(value, str) else value or []:
+def _utf8(value: Any) -> Any:
+    """Reject strings that cannot be sent on as UTF-8 (lone surrogates such as JSON "\\ud800"); other
+    values (text parts, checked on their own) pass."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if not isinstance(text, str):
+            continue
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -35,9 +43,64 @@ def _utf8(value: str | list[str] | None) -> str | list[str] | None:
     return value
 
 
-class StreamOptions(BaseModel):
+class RequestError(ValueError):
+    """A request the endpoint refuses with a 400: `message` names the field(s) and the rule."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # accepted, ignored: the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: the engine's `structured_output`, key for key."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool | None = None
+    backend: str | None = None  # accepted, ignored: the engine always uses llguidance
+
+    _check_utf8 = field_validator("regex", "choice", "grammar", "whitespace_pattern")(_utf8)
+
+
+CONSTRAINT_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
+    """A schema given as an object or as a string holding one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            value = None
+    if not isinstance(value, dict):
+        raise RequestError(f"{param}: must be a JSON schema (an object, or a string holding one)", param)
+    return value
 
 
 # SamplingParams fields beyond OpenAI's that the endpoint accepts under their own names, as vLLM does.
@@ -80,8 +143,64 @@ class SamplingFields(VllmExtraFields):
     presence_penalty: float = engine_field("presence_penalty")
     frequency_penalty: float = engine_field("frequency_penalty")
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, ignored: the engine always uses llguidance
+    structured_outputs: StructuredOutputs | None = None
 
-    _check_utf8 = field_validator("model", "stop", "user")(_utf8)
+    _check_utf8 = field_validator("model", "stop", "user", "guided_regex", "guided_choice", "guided_grammar",
+                                  "guided_whitespace_pattern")(_utf8)
+
+    def output_constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(the field that asked, the engine's constraint) for each output constraint in the request."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise RequestError("response_format.json_schema: required when type is json_schema",
+                                   "response_format.json_schema")
+            schema = fmt.json_schema.schema_
+            found.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
+        for name, key in GUIDED_FIELDS.items():
+            if (value := getattr(self, name)) is not None:
+                found.append((name, {key: _json_schema(value, name) if key == "json" else value}))
+        if (so := self.structured_outputs) is not None:
+            given = [(key, value) for key in CONSTRAINT_KEYS
+                     if (value := getattr(so, "json_" if key == "json" else key)) not in (None, False)]
+            if not given:
+                raise RequestError(f"structured_outputs: needs one of {', '.join(CONSTRAINT_KEYS)}",
+                                   "structured_outputs")
+            for key, value in given:
+                param = f"structured_outputs.{key}"
+                found.append((param, {key: _json_schema(value, param) if key == "json" else value}))
+        return found
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The engine's `structured_output` for this request (None: unconstrained). Raises RequestError
+        when the request holds more than one output constraint."""
+        found = self.output_constraints()
+        if len(found) > 1:
+            (first, _), (second, _) = found[:2]
+            raise RequestError(f"{first} and {second}: a request may hold only one output constraint "
+                               "(response_format, guided_json, guided_regex, guided_choice, guided_grammar or "
+                               "structured_outputs)", first)
+        if not found:
+            return None
+        out = found[0][1]
+        so = self.structured_outputs
+        whitespace = so.whitespace_pattern if so and so.whitespace_pattern is not None else \
+            self.guided_whitespace_pattern
+        if whitespace is not None:
+            out["whitespace_pattern"] = whitespace
+        if so is not None and so.disable_any_whitespace is not None:
+            out["disable_any_whitespace"] = so.disable_any_whitespace
+        return out
 
     def sampling(self, max_tokens_default: int) -> dict[str, Any]:
         """The engine's sampling fields for this request."""
@@ -108,12 +227,80 @@ class CompletionRequest(SamplingFields):
     _check_prompt_utf8 = field_validator("prompt")(_utf8)
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+    _check_utf8 = field_validator("text")(_utf8)
+
+
+class _Echoed(BaseModel):
+    """Parts of an earlier response that clients send back as they got them (extra keys such as a stream's
+    `index` are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class CalledFunction(_Echoed):
+    name: str
+    arguments: str | dict[str, Any]  # JSON text (OpenAI) or an object
+
+
+class MessageToolCall(_Echoed):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
+    """A message; content is text, a list of text parts, or null (an assistant message holding tool calls).
+    Fields beyond these are passed on to the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     _check_utf8 = field_validator("content")(_utf8)
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required in a {self.role} message (only an assistant message may "
+                             "leave it null)")
+        return self
+
+    @property
+    def text(self) -> str | None:
+        """The content as one string (text parts joined by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content
+
+
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # accepted, ignored: forced calls are always enforced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(SamplingFields):
@@ -121,6 +308,36 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = engine_field("logprobs")  # sent as the engine's logprobs
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or []]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"function names must be distinct, {dupes[0]!r} is given twice")
+        return tools
+
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named": what tool_choice asks, its default ("auto" with tools,
+        "none" without) filled in. Raises RequestError when it cannot be honoured."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if choice in ("none", "auto"):
+            return choice if self.tools else "none"
+        if not self.tools:
+            raise RequestError("tool_choice: needs tools (a required or named function with no tools given)",
+                               "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise RequestError(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
+                               "tool_choice.function.name")
+        if constraints := self.output_constraints():
+            raise RequestError(f"tool_choice and {constraints[0][0]}: a required or named tool choice constrains "
+                               "the output itself, leave out the other constraint", "tool_choice")
+        return "required" if choice == "required" else "named"
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,

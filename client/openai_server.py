@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP endpoint in front of one or more tritonservers (`tritium openai`).
 
 `/v1/models`, `/v1/completions`, `/v1/chat/completions` (the chat template comes from the model's
-tokenizer), streaming as SSE ending in `data: [DONE]`. `Authorization: Bearer KEY` is checked and
-forwarded to Triton as its API key. Errors use OpenAI's shape: 400 bad field, 401 key, 404 model,
+tokenizer; tools and tool calls: client/openai_chat.py), streaming as SSE ending in `data: [DONE]`.
+Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) goes to the engine as its
+`structured_output` sampling field. `Authorization: Bearer KEY` is checked and forwarded to Triton as its
+API key. Errors use OpenAI's shape: 400 bad field, 401 key, 404 model,
 413 body over MAX_BODY_BYTES, 500 internal error (with a request id; the details are logged, never sent),
 503 with Retry-After: no replica up, or overloaded (over `max_concurrency` upstream requests in flight, or
 every replica refused). A client that disconnects has its upstream requests cancelled.
@@ -26,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tritium.backend.tokenizer import Tokenizer
+from tritium.client.openai_chat import ChatStream, chat_constraint, chat_message, parser_factory, render_prompt
 from tritium.client.openai_guard import Admission, RequestGuard, new_request_id, unless_disconnected
 from tritium.client.openai_protocol import (
     DEFAULT_MAX_CONCURRENCY,
@@ -35,6 +38,7 @@ from tritium.client.openai_protocol import (
     MAX_SEED,
     ChatRequest,
     CompletionRequest,
+    RequestError,
     error_response,
     retry_later_response,
 )
@@ -42,8 +46,14 @@ from tritium.client.router import Chunk, Router, UpstreamError
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
-UNION_MEMBERS = {"str", "list[str]"}
+UNION_TYPE_TAGS = {"str", "int", "float", "bool"}
 UNPARSABLE_BODY = "There was an error parsing the body"  # FastAPI's words for a body json.loads raised on
+
+
+def _is_union_tag(part: Any) -> bool:
+    """Whether a pydantic error location part names the member of a union (`str`, `list[TextPart]`,
+    `NamedToolChoice`, `literal[...]`) rather than a field: fields are snake_case names."""
+    return isinstance(part, str) and (part in UNION_TYPE_TAGS or "[" in part or part[:1].isupper())
 
 
 def _token_entries(decode: Callable[[int], str], logprobs: list[dict[str, float]]) -> list[tuple[str, float, list]]:
@@ -85,11 +95,13 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        # A value that fits no member of a union fails once per member: the deepest failure says most.
+        errors = sorted(exc.errors(), key=lambda e: -len(e.get("loc", ())))
+        err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         if err.get("type") == "json_invalid":
             return error_response(400, f"body is not valid JSON: {err.get('ctx', {}).get('error')}")
-        # Past the field name, pydantic also names the member of `str | list[str]` that failed: not a field.
-        loc = [str(p) for i, p in enumerate(err.get("loc", ())) if p != "body" and not (i > 1 and p in UNION_MEMBERS)]
+        # Past the field name, pydantic also names the member of a union that failed: not a field.
+        loc = [str(p) for i, p in enumerate(err.get("loc", ())) if p != "body" and not (i > 1 and _is_union_tag(p))]
         param = ".".join(loc) or None
         return error_response(400, f"{param or 'body'}: {err.get('msg')}", param=param)
 
@@ -246,6 +258,8 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                         t["prompt_tokens"] = chunk.num_input_tokens or 0
                         t["completion_tokens"] = chunk.num_output_tokens or 0
                     choice = make_delta(index, chunk, index not in started)
+                    if choice is None:  # nothing to show yet (a tool call being read)
+                        continue
                     started.add(index)
                     yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
             except Exception as exc:  # the status line is sent: the error goes in the stream
@@ -290,6 +304,11 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         sampling = body.sampling(default_max_tokens)
         if (bad := check_budget(len(prompts) * body.n, sampling["max_tokens"], "max_tokens")) is not None:
             return bad
+        try:
+            if (constraint := body.structured_output()) is not None:
+                sampling["structured_output"] = constraint
+        except RequestError as exc:
+            return error_response(400, exc.message, param=exc.param)
         want_lp = body.logprobs is not None
         if want_lp:
             sampling["logprobs"] = body.logprobs
@@ -333,9 +352,15 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         if (bad := check_budget(body.n, sampling["max_tokens"], param)) is not None:
             return bad
-        messages = [m.model_dump() for m in body.messages]
+        try:
+            mode = body.tool_mode()
+            if (constraint := chat_constraint(body, mode)) is not None:
+                sampling["structured_output"] = constraint
+        except RequestError as exc:
+            return error_response(400, exc.message, param=exc.param)
+        parser = parser_factory(tokenizer, body, mode)
         try:  # a long conversation takes a while to render: off the event loop
-            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
+            prompt = await asyncio.to_thread(render_prompt, tokenizer, body, mode)
             prompt.encode("utf-8")  # an extra message field may hold a lone surrogate
         except ValueError as exc:
             return error_response(400, str(exc), param="messages")
@@ -357,25 +382,22 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                                 for tok, lp, alts in rows]}
 
         if body.stream:
-            def delta(index: int, chunk: Chunk, first: bool) -> dict[str, Any]:
-                d: dict[str, Any] = {"content": chunk.text}
-                if first:
-                    d["role"] = "assistant"
-                return {"index": index, "delta": d, "logprobs": chat_logprobs(chunk.logprobs),
-                        "finish_reason": chunk.finish_reason if chunk.final else None}
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response(request, "chat", [prompt], sampling, body.n, want_lp, include, delta)
+            return await stream_response(request, "chat", [prompt], sampling, body.n, want_lp, include,
+                                         ChatStream(parser, chat_logprobs).delta)
         choices = await run_collect(request, [prompt], sampling, body.n, want_lp)
         if isinstance(choices, JSONResponse):
             return choices
 
+        def choice(index: int, c: dict[str, Any]) -> dict[str, Any]:
+            message, reason = chat_message(c["text"], c["finish_reason"], parser)
+            return {"index": index, "message": message, "logprobs": chat_logprobs(c["logprobs"]),
+                    "finish_reason": reason}
+
         def build() -> dict[str, Any]:
             return {
                 "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
-                             "logprobs": chat_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
-                            for i, c in sorted(choices.items())],
+                "model": model, "choices": [choice(i, c) for i, c in sorted(choices.items())],
                 "usage": usage(choices, body.n),
             }
 

@@ -285,7 +285,9 @@ RAW_BODIES = [
                  id="stream-a-sentence"),
     pytest.param("completions", '[{"model": "tritium", "prompt": "Hi"}]', 400, "body", id="body-a-list"),
     pytest.param("chat/completions", '{"model": "tritium", "messages": [{"role": "user", "content": "Hi", '
-                 '"tool_calls": {"a": [1, {"b": null}]}, "name": 1e300}]}', 200, "", id="odd-extra-message-fields"),
+                 '"metadata": {"a": [1, {"b": null}]}, "name": 1e300}]}', 200, "", id="odd-extra-message-fields"),
+    pytest.param("chat/completions", '{"model": "tritium", "messages": [{"role": "user", "content": "Hi", '
+                 '"tool_calls": {"a": [1, {"b": null}]}}]}', 400, "messages.0.tool_calls", id="tool-calls-not-a-list"),
     pytest.param("completions", _ten_megabytes, 413, "body", id="10-MB-body"),
     pytest.param("completions", _over_the_limit_in_chunks, 413, "body", id="chunked-body-over-the-limit"),
 ]

@@ -34,10 +34,11 @@ def test_structured_output_takes_vllm_shapes(value: object) -> None:
     assert SamplingParams(structured_output=value).structured_output == spec
 
 
-def test_equal_schemas_are_one_cache_key() -> None:
-    a = StructuredOutput.from_value({"json": {"type": "object", "required": ["a"]}})
-    b = StructuredOutput.from_value({"json": '{"required": ["a"], "type": "object"}'})
+def test_a_schema_as_object_or_text_is_one_cache_key_in_its_own_key_order() -> None:
+    a = StructuredOutput.from_value({"json": {"type": "object", "required": ["b", "a"]}})
+    b = StructuredOutput.from_value({"json": '{"type": "object", "required": ["b", "a"]}'})
     assert a == b and hash(a) == hash(b)
+    assert a.json == '{"type":"object","required":["b","a"]}'  # properties are generated in the schema's order
 
 
 @pytest.mark.parametrize(("value", "words"), [
@@ -45,6 +46,7 @@ def test_equal_schemas_are_one_cache_key() -> None:
     ({"choice": []}, "non-empty list"), ({"choice": ["a", 3]}, "non-empty strings"), ({"json": "{not json"}, "JSON"),
     ({"json_object": "yes"}, "must be true"), ({"regex": "a", "structural_tag": {}}, "structural_tag"),
     ("[1]", "must be an object"), ({"json": 3}, "JSON schema"),
+    ({"choice": ["a", "x\U000B1586"]}, "U+B1586"), ({"json": {"const": "\U00040000"}}, "U+40000"),
     ({"regex": "a", "disable_any_whitespace": "no"}, "boolean"),
 ])
 def test_malformed_constraints_are_refused_by_name(value: object, words: str) -> None:

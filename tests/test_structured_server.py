@@ -12,8 +12,8 @@ import pytest
 from serve_helpers import Served, grpc_stream, http_generate
 
 pytestmark = pytest.mark.slow
-REGEXES = [r"[A-Z][a-z]{2,8} [0-9]{1,3}", r"(red|green|blue)-[0-9]{2}", r"\d{3}-\d{4}", r"[a-z]{1,12}@[a-z]{1,12}\.(com|org)",
-           r"(yes|no), because [a-z ]{1,20}\.", r"#[0-9a-f]{6}"]
+REGEXES = [r"[A-Z][a-z]{2,8} [0-9]{1,3}", r"(red|green|blue)-[0-9]{2}", r"\d{3}-\d{4}",
+           r"[a-z]{1,12}@[a-z]{1,12}\.(com|org)", r"(yes|no), because [a-z ]{1,20}\.", r"#[0-9a-f]{6}"]
 CHOICES = ["Paris", "London", "Rome", "an island in the sea"]
 
 
