@@ -143,6 +143,14 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_structured(args: argparse.Namespace) -> int:
+    from tritium.client.bench_structured import run_structured_benchmark
+
+    run_structured_benchmark(out_dir=args.out_dir, num_requests=args.num_requests, output_len=args.output_len,
+                             repeats=args.repeats, smoke=args.smoke)
+    return 0
+
+
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     from tritium.client.gpu_check import main as gpu_check_main
 
@@ -336,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_offline)
+    p = bench.add_parser("structured", help="JSON-schema constrained decoding: throughput, compile and mask times")
+    p.add_argument("--num-requests", type=int, default=32, help="requests submitted at once")
+    p.add_argument("--output-len", type=int, default=256, help="max_tokens of every request")
+    p.add_argument("--repeats", type=int, default=3, help="constrained / unconstrained runs, alternating")
+    p.add_argument("--smoke", action="store_true", help="few requests and tokens, one repeat: checks the script")
+    p.add_argument("--out-dir", default="bench_results")
+    p.set_defaults(func=cmd_bench_structured)
     p = bench.add_parser("kernels", help="Triton kernels vs torch SDPA / paged gather (CUDA)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, to test the script")
     p.add_argument("--out-dir", default="bench_results")
