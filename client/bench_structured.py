@@ -467,8 +467,8 @@ def bench_apply(vocab: int, rows: int, iters: int) -> dict[str, Any]:
 
 
 def _canonical(schema: dict[str, Any] | str) -> str:
-    """The schema text the engine gives llguidance (keys sorted: properties are generated in that order, and
-    xgrammar must expect the same order to replay llguidance's tokens)."""
+    """The schema text the engine gives llguidance (`StructuredOutput`'s): properties are generated in its key
+    order, so xgrammar gets the same text to replay llguidance's tokens."""
     if isinstance(schema, str):
         return schema
     text = StructuredOutput.from_value({"json": schema}).json
