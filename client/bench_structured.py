@@ -129,6 +129,7 @@ class MaskReplay:
     restarts: int = 0  # rows whose replay ended and started their schema over
     rejected_tokens: int = 0  # replayed tokens the library refused (its grammar differs from llguidance's)
     rejected_by_schema: dict[str, int] = field(default_factory=dict)
+    rejected_examples: list[str] = field(default_factory=list)  # the first few: text so far, then the token
 
 
 @dataclass
@@ -310,7 +311,8 @@ def throughput_summary(runs: list[ThroughputRun]) -> dict[str, Any]:
 
 def _replay(trajectories: list[Trajectory], rows: int, steps: int, warmup: int, new: Callable[[Trajectory], Any],
             advance: Callable[[Any, int], bool], done: Callable[[Any], bool],
-            fill: Callable[[list[Any]], None], desc: str) -> MaskReplay:
+            fill: Callable[[list[Any]], None], desc: str,
+            describe: Callable[[Trajectory, int], str] | None = None) -> MaskReplay:
     """Time `fill` (the masks of `rows` matchers at once) per step while each row replays a trajectory; row r
     follows trajectory r % len, starting a few tokens in so that rows sit at different depths."""
     trajs = [t for t in trajectories if t.tokens]
@@ -341,6 +343,8 @@ def _replay(trajectories: list[Trajectory], rows: int, steps: int, warmup: int, 
                 if step >= warmup:
                     result.rejected_tokens += 1
                     result.rejected_by_schema[traj.schema] = result.rejected_by_schema.get(traj.schema, 0) + 1
+                    if describe is not None and len(result.rejected_examples) < 3:
+                        result.rejected_examples.append(describe(traj, pos[r]))
                 matchers[r], pos[r] = new(traj), 0
             else:
                 pos[r] += 1
@@ -476,8 +480,8 @@ def _canonical(schema: dict[str, Any] | str) -> str:
     return text
 
 
-def bench_xgrammar(model_path: Path, vocab: int, eos: list[int], trajectories: list[Trajectory],
-                   s: Settings) -> LibraryReport | str:
+def bench_xgrammar(tokenizer: Tokenizer, model_path: Path, vocab: int, eos: list[int],
+                   trajectories: list[Trajectory], s: Settings) -> LibraryReport | str:
     """The same measurements through xgrammar's API; a string saying why not when it cannot run."""
     try:
         import xgrammar as xgr
@@ -530,7 +534,9 @@ def bench_xgrammar(model_path: Path, vocab: int, eos: list[int], trajectories: l
         masks.append(_replay(usable, rows, s.mask_steps, s.mask_warmup_steps,
                              new=lambda t: xgr.GrammarMatcher(compiled[t.schema]),
                              advance=lambda m, t: m.accept_token(t), done=lambda m: m.is_terminated(),
-                             fill=fill, desc=f"xgrammar masks x{rows}"))
+                             fill=fill, desc=f"xgrammar masks x{rows}",
+                             describe=lambda t, pos: f"{t.schema}: {tokenizer.decode(t.tokens[:pos])!r} then "
+                                                     f"{tokenizer.decode(t.tokens[pos : pos + 1])!r}"))
     return LibraryReport("xgrammar", _dist_version("xgrammar"), tokenizer_build_s, Timings.of(cold_s),
                          Timings.of(first_s), Timings.of(cached_s), masks, accepted, refused, unsupported_accepted,
                          unsupported_refused, _slowest(per_schema))
@@ -551,7 +557,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
               "matched": "unconstrained\nsame lengths"}
     values = [modes[m]["median_tokens_per_s"] for m in MODES]
     bars = ax_tp.bar([labels[m] for m in MODES], values, color=["#c0392b", "#95a5a6", "#7f8c8d"])
-    ax_tp.bar_label(bars, fmt="%.1f", padding=2)
+    ax_tp.bar_label(bars, fmt="%.1f", label_type="center", color="white", fontweight="bold")
     for i, mode in enumerate(MODES):
         points = [r["tokens_per_s"] for r in report["throughput"]["runs"] if r["mode"] == mode]
         ax_tp.scatter([i] * len(points), points, color="black", s=10, zorder=3)
@@ -651,6 +657,8 @@ def print_summary(report: dict[str, Any]) -> None:
                 rejected[name] = rejected.get(name, 0) + count
         if rejected:
             print(f"  {lib['library']} refused replayed tokens llguidance had allowed: {rejected}")
+            for example in (e for m in lib["masks"] for e in m.get("rejected_examples", [])[:1]):
+                print(f"    e.g. {example}")
     if report["xgrammar_skipped"]:
         print(f"xgrammar: skipped: {report['xgrammar_skipped']}")
 
@@ -669,7 +677,7 @@ def run_structured_benchmark(out_dir: str | Path = "bench_results", num_requests
     libraries = [bench_llguidance(engine.tokenizer, engine.eos_token_ids, engine.grammars, trajectories, s)]
     vocab = engine.grammars.vocab_size
     apply = bench_apply(vocab, max(MASK_BATCHES), s.apply_iters)
-    xgrammar = bench_xgrammar(engine.model_path, vocab, engine.eos_token_ids, trajectories, s)
+    xgrammar = bench_xgrammar(engine.tokenizer, engine.model_path, vocab, engine.eos_token_ids, trajectories, s)
     if isinstance(xgrammar, LibraryReport):
         libraries.append(xgrammar)
     report: dict[str, Any] = {

@@ -11,7 +11,8 @@ import pytest
 from tritium.client.bench_structured import MASK_BATCHES, MODES, run_structured_benchmark
 from tritium.client.sample_schemas import SCHEMAS
 
-pytestmark = pytest.mark.slow  # loads the default model and generates (~20-60 s on a 2-vCPU machine)
+# Loads the default model and generates: ~17 s on an idle 2-vCPU machine, ~100 s on a busy one.
+pytestmark = pytest.mark.slow
 
 
 def _positive_timings(t: dict) -> None:
