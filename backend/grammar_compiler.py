@@ -91,9 +91,6 @@ class GrammarCompiler:
         except FutureTimeout:  # the compile goes on in its thread; llguidance's own limits end it
             return (f"structured_output.{spec.kind} did not compile within {self.timeout_s:g} s; simplify it")
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def _compile(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> llguidance.LLMatcher | str:
     kind, source = spec.lark_or_json_grammar()

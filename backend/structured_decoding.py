@@ -132,9 +132,6 @@ class StructuredDecoding:
                 verdicts[row] = Verdict(complete=matcher.is_stopped())
         return verdicts
 
-    def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
-
 
 def _reason(matcher: llguidance.LLMatcher) -> str:
     """The first line of the matcher's error (the rest is a dump of its state and grammar)."""
