@@ -401,7 +401,6 @@ def bench_llguidance(tokenizer: Tokenizer, eos: list[int], cached: GrammarCompil
     unsupported = [(name, schema) for name, schema, _ in UNSUPPORTED]
     unsupported_accepted, unsupported_refused = _coverage(
         lambda schema: cold.compile(StructuredOutput.from_value({"json": schema})), unsupported)
-    cold.close()
 
     cached_s: list[float] = []
     good = [(name, spec) for name, spec in specs if name in accepted]
@@ -697,8 +696,6 @@ def run_structured_benchmark(out_dir: str | Path = "bench_results", num_requests
         "xgrammar_skipped": xgrammar if isinstance(xgrammar, str) else None,
         "wall_s": time.perf_counter() - t_start,
     }
-    engine.grammars.close()
-    engine.structured.close()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "structured.json").write_text(json.dumps(report, indent=2))
