@@ -260,7 +260,7 @@ def cmd_openai(args: argparse.Namespace) -> int:
     from tritium.client.openai_server import serve_openai
 
     serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer,
-                 max_concurrency=args.max_concurrency)
+                 max_concurrency=args.max_concurrency, metrics_urls=args.upstream_metrics)
     return 0
 
 
@@ -273,6 +273,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         output_len=args.output_len, api_key=args.api_key or None, out_dir=args.out_dir,
     )
     return 1 if any(r["errors"] for r in report["results"]) else 0
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from tritium.client.bench_cluster import has_errors, run_cluster_benchmark
+
+    report = run_cluster_benchmark(
+        out_dir=args.out, model=args.model, concurrency=args.concurrency, num_requests=args.num_requests,
+        output_len=args.output_len, prefix_tokens=args.prefix_tokens, groups=args.groups,
+        skip_vllm_router=args.skip_vllm_router,
+    )
+    return 1 if has_errors(report) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("openai", help="OpenAI-compatible endpoint in front of tritonserver replicas")
     p.add_argument("--upstream", action="append", required=True, help="host:grpc_port of a tritonserver (repeat)")
+    p.add_argument("--upstream-metrics", action="append", default=None,
+                   help="metrics URL of each --upstream, in the same order (engine load and health, the vllm:* "
+                   "gauges; default: http://HOST:8002/metrics for an upstream on port 8001)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--api-key", default=os.environ.get("TRITIUM_API_KEY"),
@@ -384,6 +398,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--big-prompt-kib", type=int, default=500)
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_interference)
+    p = bench.add_parser("cluster", help="1 replica vs 2 behind tritium's router vs 2 behind vllm-router "
+                         "(cache_aware), shared-prefix prompts, on this machine")
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (closed loop)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per setup")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (ignore_eos)")
+    p.add_argument("--prefix-tokens", type=int, default=256, help="tokens of each group's shared prefix")
+    p.add_argument("--groups", type=int, default=4, help="prefix groups (requests cycle through them)")
+    p.add_argument("--out", default="bench_results", help="folder for cluster.json and cluster.png")
+    p.add_argument("--skip-vllm-router", action="store_true", help="leave out setup c (noted in the report)")
+    p.set_defaults(func=cmd_bench_cluster)
     return parser
 
 

@@ -22,6 +22,7 @@ from tritium.client.openai_protocol import error_response
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # health, load, model facts and metrics stay open
 
 
 def new_request_id() -> str:
@@ -51,7 +52,7 @@ class Admission:
 
 
 class RequestGuard:
-    """ASGI middleware: the API key on /v1/ paths first, then the request body, read whole and counted as it
+    """ASGI middleware: the API key on KEYED_PATHS first, then the request body, read whole and counted as it
     arrives (a chunked body has no Content-Length): 413 once it passes `max_bytes`, 400 for a malformed
     Content-Length. The app then gets the body in one message."""
 
@@ -65,7 +66,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self.expected_auth is not None and scope["path"].startswith("/v1/"):
+        if self.expected_auth is not None and scope["path"].startswith(KEYED_PATHS):
             given = headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected_auth):
                 await error_response(401, "Incorrect or missing API key (Authorization: Bearer ...)",

@@ -42,7 +42,8 @@ from tritium.client.openai_protocol import (
     error_response,
     retry_later_response,
 )
-from tritium.client.router import Chunk, Router, UpstreamError
+from tritium.client.replica_protocol import add_replica_routes
+from tritium.client.router import Chunk, Router, UpstreamError, default_metrics_url
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
@@ -68,8 +69,11 @@ def _token_entries(decode: Callable[[int], str], logprobs: list[dict[str, float]
 
 def create_app(upstreams: list[str], api_key: str | None = None, model: str = "tritium",
                tokenizer: Tokenizer | None = None, default_max_tokens: int = 16,
-               max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> FastAPI:
-    router = Router(upstreams, model=model, api_key=api_key)
+               max_concurrency: int = DEFAULT_MAX_CONCURRENCY, metrics_urls: list[str | None] | None = None,
+               model_path: str | None = None, max_model_len: int | None = None) -> FastAPI:
+    """`metrics_urls`: each upstream's tritonserver metrics (engine load and health; the `vllm:*` gauges);
+    `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report."""
+    router = Router(upstreams, model=model, api_key=api_key, metrics_urls=metrics_urls)
     admission = Admission(max_concurrency)
     if tokenizer is None:
         from tritium.backend.models.registry import resolve_model
@@ -123,10 +127,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "tritium"}]}
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        healthy = sum(r.healthy for r in router.replicas)
-        return JSONResponse({"healthy_replicas": healthy}, status_code=200 if healthy else 503)
+    add_replica_routes(app, router, tokenizer, model, admission, default_max_tokens, model_path, max_model_len)
 
     async def run_choices(prompts: list[str], sampling: dict[str, Any], n: int, logprobs: bool
                           ) -> AsyncIterator[tuple[int, Chunk]]:
@@ -406,14 +407,34 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
     return app
 
 
+def model_max_len(folder: Any) -> int | None:
+    """The model's context length (config.json's max_position_embeddings), the engine's default max_model_len."""
+    from pathlib import Path
+
+    try:
+        value = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
 def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None, model: str,
-                 tokenizer_path: str | None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
+                 tokenizer_path: str | None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+                 metrics_urls: list[str] | None = None) -> None:
+    """Serve the endpoint. `metrics_urls`: one per upstream, in order; without them an upstream on Triton's
+    default gRPC port 8001 is read at its host's port 8002, others not at all."""
     import uvicorn
 
     from tritium.backend.models.registry import resolve_model
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tokenizer = Tokenizer(resolve_model(tokenizer_path))
-    app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer, max_concurrency=max_concurrency)
+    folder = resolve_model(tokenizer_path)
+    tokenizer = Tokenizer(folder)
+    if metrics_urls and len(metrics_urls) != len(upstreams):
+        raise SystemExit(f"error: {len(metrics_urls)} --upstream-metrics for {len(upstreams)} --upstream: give one "
+                         "per upstream, in the same order")
+    urls: list[str | None] = list(metrics_urls) if metrics_urls else [default_metrics_url(u) for u in upstreams]
+    app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer, max_concurrency=max_concurrency,
+                     metrics_urls=urls, model_path=str(folder), max_model_len=model_max_len(folder))
     print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,8 +1,14 @@
 """Choose the tritonserver replica for a request, and stream from it over gRPC (tritonclient asyncio).
 
-A request goes to the healthy replica with the fewest outstanding tokens, except that requests sharing a
-prompt prefix prefer one replica (rendezvous hashing over the first PREFIX_CHARS characters) as long as it
-is not more than AFFINITY_SLACK tokens busier than the least loaded one, so its prefix cache hits.
+A request goes to the least busy healthy replica, except that requests sharing a prompt prefix prefer one
+replica (rendezvous hashing over the first PREFIX_CHARS characters) as long as it is not more than
+AFFINITY_SLACK tokens busier than the least busy one, so its prefix cache hits. Busy: the tokens this router
+has outstanding there, plus EXTERNAL_REQUEST_TOKENS for each request the replica's engine reports
+(`EngineLoad`, from its metrics port, the numbers the endpoint's `/get_load` and `vllm:*` gauges serve) beyond
+this router's own: requests another router or client sent it.
+
+Health, every HEALTH_INTERVAL_S: the model is ready (Triton's model-ready call) and, where the metrics port
+answers, an engine of it reports serving (`tritium_engine_healthy`).
 
 Only what is safe is retried on another replica, and only before the first token: a transport failure
 (connection refused, gRPC UNAVAILABLE, a replica that went down; the replica is marked down) and a replica
@@ -22,11 +28,13 @@ from itertools import count
 from typing import Any
 
 from tritium.client.remote import grpc_inputs
+from tritium.client.replica_load import EngineLoad, scrape_async
 
 logger = logging.getLogger(__name__)
 PREFIX_CHARS = 256
 AFFINITY_SLACK = 2048
 HEALTH_INTERVAL_S = 1.0
+EXTERNAL_REQUEST_TOKENS = 256
 
 
 class UpstreamError(Exception):
@@ -74,9 +82,23 @@ class Chunk:
 class Replica:
     url: str
     client: Any
+    metrics_url: str | None = None
     healthy: bool = True
     outstanding_tokens: int = 0
+    in_flight: int = 0
     requests_served: int = 0
+    load: EngineLoad | None = None  # the last scrape of its metrics port (None: it did not answer)
+
+    @property
+    def busy_tokens(self) -> int:
+        external = self.load.requests - self.in_flight if self.load is not None else 0
+        return self.outstanding_tokens + max(0, external) * EXTERNAL_REQUEST_TOKENS
+
+
+def default_metrics_url(grpc_url: str) -> str | None:
+    """For a tritonserver on Triton's default ports (gRPC 8001), its metrics URL (port 8002); else None."""
+    host, _, port = grpc_url.rpartition(":")
+    return f"http://{host}:8002/metrics" if port == "8001" and host else None
 
 
 def prefix_score(prefix: str, url: str) -> int:
@@ -84,10 +106,14 @@ def prefix_score(prefix: str, url: str) -> int:
 
 
 class Router:
-    def __init__(self, urls: list[str], model: str = "tritium", api_key: str | None = None) -> None:
+    def __init__(self, urls: list[str], model: str = "tritium", api_key: str | None = None,
+                 metrics_urls: list[str | None] | None = None) -> None:
+        """`metrics_urls[i]`: replica i's tritonserver metrics (None: no load or engine health from it)."""
+        if metrics_urls is not None and len(metrics_urls) != len(urls):
+            raise ValueError(f"{len(metrics_urls)} metrics URLs for {len(urls)} replicas: give one per replica")
         self.model = model
         self.headers = {"triton-grpc-protocol-x-api-key": api_key} if api_key else None
-        self.replicas = [Replica(url, None) for url in urls]
+        self.replicas = [Replica(url, None, metrics_urls[i] if metrics_urls else None) for i, url in enumerate(urls)]
         self._ids = count()
         self._health_task: asyncio.Task[None] | None = None
 
@@ -108,11 +134,15 @@ class Router:
 
     async def check_health(self) -> None:
         async def probe(replica: Replica) -> None:
+            if replica.metrics_url:
+                replica.load = await scrape_async(replica.metrics_url, self.model)
             try:
-                replica.healthy = bool(await asyncio.wait_for(
+                ready = bool(await asyncio.wait_for(
                     replica.client.is_model_ready(self.model, headers=self.headers), 2.0))
             except Exception:
-                replica.healthy = False
+                ready = False
+            load = replica.load
+            replica.healthy = ready and (load is None or load.engines == 0 or load.healthy)
 
         await asyncio.gather(*(probe(r) for r in self.replicas))
 
@@ -125,10 +155,10 @@ class Router:
         healthy = [r for r in self.replicas if r.healthy and r.url not in exclude]
         if not healthy:
             return None
-        least = min(healthy, key=lambda r: r.outstanding_tokens)
+        least = min(healthy, key=lambda r: r.busy_tokens)
         prefix = prompt[:PREFIX_CHARS]
         preferred = max(healthy, key=lambda r: prefix_score(prefix, r.url))
-        if preferred.outstanding_tokens - least.outstanding_tokens <= AFFINITY_SLACK:
+        if preferred.busy_tokens - least.busy_tokens <= AFFINITY_SLACK:
             return preferred
         return least
 
@@ -148,6 +178,7 @@ class Router:
             tried.add(replica.url)
             cost = min(int(sampling.get("max_tokens", 16)), 1 << 20) + len(prompt) // 4
             replica.outstanding_tokens += cost
+            replica.in_flight += 1
             try:
                 async for chunk in self._stream(replica, prompt, sampling, want_logprobs):
                     yield chunk
@@ -164,6 +195,7 @@ class Router:
                     logger.warning("%s (before the first token); marked down, retrying elsewhere", exc)
             finally:
                 replica.outstanding_tokens -= cost
+                replica.in_flight -= 1
 
     async def _stream(self, replica: Replica, prompt: str, sampling: dict[str, Any], want_logprobs: bool
                       ) -> AsyncIterator[Chunk]:

@@ -66,7 +66,7 @@ class LoopObserver(Protocol):
     """Metrics hooks, called on the engine thread (`on_refused` on the caller of `submit`)."""
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
-    def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None: ...
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
     def on_refused(self) -> None: ...
     def on_engine_failed(self) -> None: ...
     def on_stream_interval(self, interval: int) -> None: ...
@@ -76,7 +76,7 @@ class NoObserver:
     """The observer of a loop without metrics."""
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
-    def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None: ...
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
     def on_refused(self) -> None: ...
     def on_engine_failed(self) -> None: ...
     def on_stream_interval(self, interval: int) -> None: ...
@@ -156,6 +156,12 @@ class EngineLoop:
         tokenized, queued, admitted or in the engine, less the seats."""
         accepted = len(self._to_tokenize) + self._tokenizing + len(self._queue) + len(self._admitting)
         return max(0, accepted + len(self._active) - self.engine.config.max_num_seqs)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not in the engine yet (being tokenized, queued or being admitted); read
+        without the lock, so a moment's count."""
+        return len(self._to_tokenize) + self._tokenizing + len(self._queue) + len(self._admitting)
 
     def submit(self, job: Job) -> None:
         """Accept a job (any thread), or answer it at once with an error: the engine failed, the model is
@@ -377,7 +383,7 @@ class EngineLoop:
             self._observe(self.observer.on_stream_interval, self.pacer.interval)
         self._poll_cancellations(now)
         if ready or busy:  # metrics while serving, and their final values once idle
-            self._observe(self.observer.on_step, self.engine, now, not ready)
+            self._observe(self.observer.on_step, self.engine, now, not ready, self.num_queued)
         return bool(ready), done
 
     def _take_ready(self) -> list[Delivery]:

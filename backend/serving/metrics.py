@@ -21,7 +21,7 @@ class EngineMetrics:
     refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges. Labelled with the
     model name and version."""
 
-    def __init__(self, pb_utils: Any, model: str, version: str) -> None:
+    def __init__(self, pb_utils: Any, model: str, version: str, engine: LLMEngine) -> None:
         family = pb_utils.MetricFamily
         labels = {"model": model, "version": version}
         self._families: list[Any] = []  # a family must outlive its metrics
@@ -40,9 +40,14 @@ class EngineMetrics:
         self.prompt_tokens = metric("tritium_prompt_tokens_total", "Prompt tokens of finished requests", counter)
         self.generation_tokens = metric("tritium_generation_tokens_total", "Generated tokens", counter)
         self.running = metric("tritium_num_requests_running", "Requests in the running batch", gauge)
-        self.waiting = metric("tritium_num_requests_waiting", "Requests waiting to be scheduled", gauge)
+        self.waiting = metric("tritium_num_requests_waiting", "Requests accepted and waiting for a seat in the "
+                              "running batch (being tokenized, queued, or preempted)", gauge)
         self.kv_usage = metric("tritium_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", gauge)
         self.kv_used_blocks = metric("tritium_kv_cache_used_blocks", "KV cache blocks in use", gauge)
+        self.kv_blocks = metric("tritium_kv_cache_blocks", "KV cache blocks in all", gauge)
+        self.kv_block_size = metric("tritium_kv_cache_block_size", "Tokens per KV cache block", gauge)
+        self.kv_blocks.set(engine.block_manager.num_blocks)
+        self.kv_block_size.set(engine.block_manager.block_size)
         self.preemptions = metric("tritium_num_preemptions_total", "Sequences preempted for lack of KV blocks",
                                   counter)
         self.prefix_hits = metric("tritium_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix "
@@ -91,8 +96,9 @@ class EngineMetrics:
         self.running.set(0)
         self.waiting.set(0)
 
-    def on_step(self, engine: LLMEngine, now: float, force: bool = False) -> None:
-        """Push what was gathered, if FLUSH_INTERVAL_S passed since the last push (or `force`)."""
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None:
+        """Push what was gathered, if FLUSH_INTERVAL_S passed since the last push (or `force`). `queued`:
+        requests accepted but not in the engine yet, counted as waiting."""
         if not force and now - self._last_flush < FLUSH_INTERVAL_S:
             return
         self._last_flush = now
@@ -119,6 +125,6 @@ class EngineMetrics:
                 metric.observe(value)
             values.clear()
         self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
+        self.waiting.set(len(sched.waiting) + queued)
         self.kv_usage.set(blocks.usage)
         self.kv_used_blocks.set(blocks.num_blocks - blocks.num_free_blocks)

@@ -60,7 +60,7 @@ class EngineModel(ABC, Generic[R]):
         # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
         config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
         self.engine = LLMEngine(config)
-        metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
+        metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], self.engine)
         self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval,
                                settings.max_stream_interval)
         self.loop.start()
