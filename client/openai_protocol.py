@@ -112,11 +112,12 @@ VLLM_EXTRA_FIELDS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_p
 # return_hidden_states and return_text_in_logprobs (not returned), separate_reasoning and stream_reasoning
 # (no reasoning parser: the text is all content), rid and request_id (the endpoint names its own requests),
 # lora_path (no LoRA), session_params, the disaggregation bootstrap_* fields, priority,
-# spaces_between_special_tokens, cache_salt, data_parallel_rank.
-ROUTER_IGNORED_FIELDS = ("no_stop_trim", "return_hidden_states", "return_text_in_logprobs", "separate_reasoning",
-                         "stream_reasoning", "rid", "request_id", "lora_path", "session_params", "bootstrap_host",
-                         "bootstrap_port", "bootstrap_room", "priority", "spaces_between_special_tokens",
-                         "cache_salt", "data_parallel_rank")
+# spaces_between_special_tokens, cache_salt, data_parallel_rank, include_reasoning.
+ROUTER_IGNORED_FIELDS = (
+    "no_stop_trim", "return_hidden_states", "return_text_in_logprobs", "separate_reasoning", "stream_reasoning",
+    "include_reasoning", "rid", "request_id", "lora_path", "session_params", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "priority", "spaces_between_special_tokens", "cache_salt", "data_parallel_rank",
+)
 
 
 def engine_field(name: str, **overrides: Any) -> Any:
@@ -323,6 +324,7 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    continue_final_message: Literal[False] = False  # vllm-router sends false; true is not supported
 
     @field_validator("tools")
     @classmethod

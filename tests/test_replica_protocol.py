@@ -15,7 +15,7 @@ import requests
 from serve_helpers import Served, metric_value, raw_http_request, start_openai_with, start_serve, wait_for
 
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client.replica_load import engine_load, parse_samples
+from tritium.client.replica_load import EngineLoad, engine_load, parse_samples
 from tritium.client.triton_server import PACKAGE_REPOSITORY
 
 pytestmark = pytest.mark.slow
@@ -138,7 +138,10 @@ def test_router_fields_are_accepted_and_wrong_ones_still_refused(base: str) -> N
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == expected
     chat = {"model": "tritium", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    assert requests.post(f"{base}/v1/chat/completions", json=chat | extras, timeout=60).status_code == 200
+    chat_extras = {"include_reasoning": True, "continue_final_message": False, "logprobs": False}
+    assert requests.post(f"{base}/v1/chat/completions", json=chat | extras | chat_extras, timeout=60).status_code == 200
+    unsupported = requests.post(f"{base}/v1/chat/completions", json=chat | {"continue_final_message": True}, timeout=10)
+    assert unsupported.status_code == 400 and unsupported.json()["error"]["param"] == "continue_final_message"
     wrong = requests.post(f"{base}/v1/completions", json=plain | {"temprature": 0.5}, timeout=10)
     assert wrong.status_code == 400 and "temprature" in wrong.json()["error"]["message"]
     assert requests.post(f"{base}/v1/completions", json=plain | {"top_k": -5}, timeout=10).status_code == 400
@@ -163,3 +166,21 @@ def test_engine_load_sums_versions_and_reads_health() -> None:
     assert (load.running, load.waiting, load.requests, load.engines, load.healthy) == (5, 4, 9, 2, True)
     assert load.kv_cache_usage == pytest.approx(0.25)
     assert not engine_load(text.replace('version="2"} 1', 'version="2"} 0'), "tritium").healthy
+
+
+def test_router_counts_requests_other_clients_sent_and_drops_a_failed_engine() -> None:
+    from tritium.client.router import EXTERNAL_REQUEST_TOKENS, Replica, Router, default_metrics_url
+
+    router = Router(["a:8001", "b:8001"], metrics_urls=["http://a:8002/metrics", "http://b:8002/metrics"])
+    a, b = router.replicas
+    a.outstanding_tokens, a.in_flight = 100, 1
+    a.load = EngineLoad(running=1, engines=1, healthy=True)  # only our own request
+    b.load = EngineLoad(running=4, waiting=3, engines=1, healthy=True)  # seven requests from elsewhere
+    assert a.busy_tokens == 100 and b.busy_tokens == 7 * EXTERNAL_REQUEST_TOKENS
+    assert router.pick("x" * 10, exclude={"nothing"}) in (a, b)
+    assert min(router.replicas, key=lambda r: r.busy_tokens) is a
+    assert Replica("c", None).busy_tokens == 0  # no metrics: only what this router sent
+    assert default_metrics_url("10.0.0.5:8001") == "http://10.0.0.5:8002/metrics"
+    assert default_metrics_url("10.0.0.5:9101") is None
+    with pytest.raises(ValueError, match="one per replica"):
+        Router(["a:8001"], metrics_urls=[])
