@@ -4,8 +4,9 @@ vllm-router, sglang-router and the Gateway API Inference Extension's endpoint pi
 few endpoints beside the OpenAI ones; these are tritium's answers (`add_replica_routes`):
 
 - `GET /health`: 200 while a replica's model is ready and its engine serves, else 503 (the router's probe).
-- `GET /model_info`, `/get_model_info`: sglang-router's model facts (`model_path`, `tokenizer_path`,
-  `is_generation`), with `max_model_len`.
+- `GET /server_info`, `/get_server_info`, `/model_info`, `/get_model_info`: what sglang-router reads when it
+  registers a worker (`model_path` and `tokenizer_path`, the local model folder, so it loads the tokenizer
+  from there and never from a hub; `served_model_name`; `is_generation`; `max_model_len`).
 - `GET /get_load`: the engine's load (`EngineLoad`: running, waiting, KV cache usage) and the endpoint's own
   requests in flight, as a JSON object; `load` (waiting + running) is what vllm-router's power_of_two
   compares. sglang-router 0.3.2 expects a list of per-rank dicts instead and counts its own requests when it
@@ -167,6 +168,8 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
         return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy,
                              "replicas": len(router.replicas)}, status_code=200 if healthy else 503)
 
+    @app.get("/server_info")
+    @app.get("/get_server_info")
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:

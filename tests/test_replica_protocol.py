@@ -122,7 +122,7 @@ def test_render_gives_the_engine_request_without_generating(base: str, tok: Toke
 def test_health_model_info_and_models(base: str, default_model_path: Path) -> None:
     health = requests.get(f"{base}/health", timeout=5)
     assert health.status_code == 200 and health.json()["healthy_replicas"] == 1
-    for path in ("/model_info", "/get_model_info"):
+    for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         info = requests.get(base + path, timeout=5).json()
         assert info["is_generation"] is True and info["model_path"] == str(default_model_path)
     models = requests.get(f"{base}/v1/models", timeout=5).json()
