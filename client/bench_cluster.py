@@ -40,7 +40,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,7 @@ from typing import Any
 
 from tritium.client.bench_serve import RequestRecord, run_load, summarize
 from tritium.client.replica_load import engine_load, parse_samples
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.triton_server import PACKAGE_REPOSITORY, free_ports
 
 MODEL_NAME = "tritium"  # the Triton model, also the OpenAI model id
 SERVE_TIMEOUT_S = 300.0
@@ -139,16 +138,6 @@ class SetupResult:
 
 
 # ---------------------------------------------------------------- processes
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _child_env() -> dict[str, str]:

@@ -21,6 +21,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -105,6 +106,17 @@ class TritonInstall:
     backend_dir: Path
     cache_dir: Path | None
     library_path: list[str]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` loopback TCP ports free at the moment of asking."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def pid_alive(pid: int) -> bool:

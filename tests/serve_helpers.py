@@ -21,16 +21,7 @@ from typing import Any
 import requests
 
 from tritium.client.remote import grpc_inputs
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from tritium.client.triton_server import free_ports
 
 
 @dataclass
