@@ -115,18 +115,31 @@ def engine_load(metrics_text: str, model: str, now: float | None = None) -> Engi
     return load
 
 
+def fetch_metrics(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> str:
+    """GET a metrics page. Raises OSError (ValueError for a malformed URL) when it does not answer."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode("utf-8", "replace")
+
+
+async def fetch_metrics_async(url: str | None) -> str | None:
+    """`fetch_metrics` off the event loop; None without a URL or when the metrics port does not answer."""
+    if url is None:
+        return None
+    try:
+        return await asyncio.to_thread(fetch_metrics, url)
+    except (OSError, ValueError):
+        return None
+
+
 def scrape(url: str, model: str, timeout: float = SCRAPE_TIMEOUT_S) -> EngineLoad:
     """GET a tritonserver's metrics and read `model`'s load. Raises OSError when it does not answer."""
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return engine_load(response.read().decode("utf-8", "replace"), model)
+    return engine_load(fetch_metrics(url, timeout), model)
 
 
 async def scrape_async(url: str, model: str) -> EngineLoad | None:
     """`scrape` off the event loop; None when the metrics port does not answer."""
-    try:
-        return await asyncio.to_thread(scrape, url, model)
-    except (OSError, ValueError):
-        return None
+    text = await fetch_metrics_async(url)
+    return engine_load(text, model) if text is not None else None
 
 
 def _label_value(value: str) -> str:

@@ -42,7 +42,7 @@ from tritium.client.openai_protocol import (
     Tool,
     error_response,
 )
-from tritium.client.replica_load import EngineLoad, engine_load, vllm_metrics
+from tritium.client.replica_load import EngineLoad, engine_load, fetch_metrics_async, vllm_metrics
 from tritium.client.router import Router
 
 METRICS_MAX_AGE_S = 0.1  # endpoint pickers scrape every 50 ms; the engine pushes every 500 ms
@@ -86,32 +86,19 @@ class UpstreamMetrics:
         """Each replica's metrics text (None: no metrics URL, or it did not answer)."""
         async with self._lock:
             if time.monotonic() - self._fetched_at > METRICS_MAX_AGE_S:
-                self._texts = list(await asyncio.gather(*(_fetch(r.metrics_url) for r in self.router.replicas)))
+                self._texts = list(await asyncio.gather(*(fetch_metrics_async(r.metrics_url)
+                                                          for r in self.router.replicas)))
                 self._fetched_at = time.monotonic()
             return self._texts
 
 
-async def _fetch(url: str | None) -> str | None:
-    if url is None:
-        return None
-    import urllib.request
-
-    def get() -> str:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return response.read().decode("utf-8", "replace")
-
-    try:
-        return await asyncio.to_thread(get)
-    except (OSError, ValueError):
-        return None
-
-
-def upstream_tritium_metrics(texts: list[str | None], urls: list[str]) -> str:
+def upstream_tritium_metrics(texts: list[str | None]) -> str:
     """The `tritium_*` families of each upstream's metrics; with several upstreams each sample gets an
-    `upstream` label naming its replica, so their series stay apart."""
+    `upstream` label, the replica's index in `--upstream` order (not its address), so their series stay
+    apart."""
     lines: list[str] = []
     seen_meta: set[str] = set()
-    for text, url in zip(texts, urls, strict=True):
+    for index, text in enumerate(texts):
         if text is None:
             continue
         for line in text.splitlines():
@@ -120,8 +107,8 @@ def upstream_tritium_metrics(texts: list[str | None], urls: list[str]) -> str:
                     seen_meta.add(line)
                     lines.append(line)
             elif line.startswith("tritium_"):
-                if len(urls) > 1:  # Triton's samples always carry labels (model, version)
-                    line = line.replace("{", f'{{upstream="{url}",', 1)
+                if len(texts) > 1:  # Triton's samples always carry labels (model, version)
+                    line = line.replace("{", f'{{upstream="{index}",', 1)
                 lines.append(line)
     return "\n".join(lines) + ("\n" if lines else "")
 
@@ -252,6 +239,6 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
             f"tritium_openai_healthy_replicas {sum(r.healthy for r in router.replicas)}",
         ]
         body = vllm_metrics(load, model) + "\n".join(own) + "\n" + \
-            upstream_tritium_metrics(texts, [r.url for r in router.replicas])
+            upstream_tritium_metrics(texts)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 

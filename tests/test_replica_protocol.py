@@ -184,3 +184,16 @@ def test_router_counts_requests_other_clients_sent_and_drops_a_failed_engine() -
     assert default_metrics_url("10.0.0.5:9101") is None
     with pytest.raises(ValueError, match="one per replica"):
         Router(["a:8001"], metrics_urls=[])
+
+
+def test_passed_through_metrics_name_replicas_by_index_not_address() -> None:
+    from tritium.client.replica_protocol import upstream_tritium_metrics
+
+    page = '# TYPE tritium_num_requests_running gauge\ntritium_num_requests_running{model="tritium",version="1"} 2\n' \
+        'nv_inference_count{model="tritium"} 9\n'
+    one = upstream_tritium_metrics([page])
+    assert one.splitlines() == page.splitlines()[:2]  # tritium_* only, unchanged
+    two = upstream_tritium_metrics([page, None, page])
+    assert two.count("# TYPE tritium_num_requests_running gauge") == 1
+    assert 'tritium_num_requests_running{upstream="0",model="tritium",version="1"} 2' in two
+    assert 'upstream="2"' in two and "127.0.0.1" not in two
