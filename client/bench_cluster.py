@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from tritium.client.bench_serve import RequestRecord, run_load, summarize
-from tritium.client.replica_load import engine_load, parse_samples
+from tritium.client.replica_load import engine_load, fetch_metrics, parse_samples
 from tritium.client.triton_server import PACKAGE_REPOSITORY, free_ports
 
 MODEL_NAME = "tritium"  # the Triton model, also the OpenAI model id
@@ -292,8 +292,7 @@ def cleanup(started: list[Process]) -> Iterator[None]:
 
 
 def read_counters(metrics_url: str) -> Counters:
-    with urllib.request.urlopen(metrics_url, timeout=5) as response:
-        text = response.read().decode("utf-8", "replace")
+    text = fetch_metrics(metrics_url, timeout=5)
     load = engine_load(text, MODEL_NAME)
     requests = sum(value for name, labels, value in parse_samples(text)
                    if name == "tritium_e2e_request_latency_seconds_count"

@@ -43,7 +43,6 @@ class EngineLoad:
     prefix_queried_tokens: int = 0
     engines: int = 0
     healthy: bool = False
-    scraped_at: float = 0.0
 
     @property
     def requests(self) -> int:
@@ -59,8 +58,7 @@ class EngineLoad:
             block_size=self.block_size or other.block_size,
             prefix_hit_tokens=self.prefix_hit_tokens + other.prefix_hit_tokens,
             prefix_queried_tokens=self.prefix_queried_tokens + other.prefix_queried_tokens,
-            engines=self.engines + other.engines, healthy=self.healthy or other.healthy,
-            scraped_at=min(self.scraped_at, other.scraped_at))
+            engines=self.engines + other.engines, healthy=self.healthy or other.healthy)
 
 
 def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -91,9 +89,9 @@ _FIELDS = {
 }
 
 
-def engine_load(metrics_text: str, model: str, now: float | None = None) -> EngineLoad:
+def engine_load(metrics_text: str, model: str) -> EngineLoad:
     """The load of `model`'s engines (every version) in a tritonserver's metrics text."""
-    load = EngineLoad(scraped_at=time.monotonic() if now is None else now)
+    load = EngineLoad()
     ratio_sum = 0.0
     for name, labels, value in parse_samples(metrics_text):
         if labels.get("model") != model:
@@ -131,13 +129,8 @@ async def fetch_metrics_async(url: str | None) -> str | None:
         return None
 
 
-def scrape(url: str, model: str, timeout: float = SCRAPE_TIMEOUT_S) -> EngineLoad:
-    """GET a tritonserver's metrics and read `model`'s load. Raises OSError when it does not answer."""
-    return engine_load(fetch_metrics(url, timeout), model)
-
-
 async def scrape_async(url: str, model: str) -> EngineLoad | None:
-    """`scrape` off the event loop; None when the metrics port does not answer."""
+    """`model`'s load from a tritonserver's metrics, fetched off the event loop; None when it does not answer."""
     text = await fetch_metrics_async(url)
     return engine_load(text, model) if text is not None else None
 

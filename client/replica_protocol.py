@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,7 +115,7 @@ def upstream_tritium_metrics(texts: list[str | None]) -> str:
 
 def total_load(router: Router, texts: list[str | None]) -> EngineLoad:
     """The replicas' loads as one: what this endpoint, in front of all of them, reports."""
-    total = EngineLoad(scraped_at=time.monotonic())
+    total = EngineLoad()
     for text in texts:
         if text is not None:
             total = total.add(engine_load(text, router.model))
@@ -181,7 +181,7 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
             except Exception:
                 return error_response(400, "invalid request: messages cannot be rendered with the model's chat "
                                       "template", param="messages")
-            ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(tokenizer.encode, text, body.add_special_tokens)
         else:
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         return tokenized(ids, body.return_token_strs)
@@ -227,7 +227,7 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
         return rendered(await asyncio.to_thread(tokenizer.encode, prompt), model, sampling, body.stream)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> PlainTextResponse:
+    async def metrics() -> PlainTextResponse:
         texts = await upstream.texts()
         load = total_load(router, texts)
         own = [

@@ -14,8 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_smoke_run_measures_three_setups(tmp_path: Path, tiny_llama_path: Path) -> None:
-    if find_vllm_router() is None:
-        pytest.skip("vllm-router is not installed")
+    assert find_vllm_router() is not None, "vllm-router (the test extra) is not installed"
     run_cluster_benchmark(tmp_path, model=str(tiny_llama_path), concurrency=2, num_requests=6, output_len=4,
                           prefix_tokens=64, groups=2)
     report = json.loads((tmp_path / "cluster.json").read_text())

@@ -291,11 +291,7 @@ def test_tritium_command_lines_parse_with_tritiums_cli() -> None:
                                                                        for p in ("http", "grpc", "metrics")]
     endpoint = container(tritium_deployment(), "openai")
     assert endpoint["command"][:2] == ["tritium", "openai"]
-    try:
-        openai = parser.parse_args(endpoint["command"][1:])
-    except SystemExit:
-        parser.parse_args(without_flag(endpoint["command"], "--upstream-metrics")[1:])  # anything else is wrong
-        pytest.skip("this tritium has no `tritium openai --upstream-metrics` yet")
+    openai = parser.parse_args(endpoint["command"][1:])
     assert openai.host == "0.0.0.0" and openai.port == port_number(endpoint, "openai")
     assert openai.upstream == [f"127.0.0.1:{serve.grpc_port}"]
     assert openai.upstream_metrics == [f"http://127.0.0.1:{serve.metrics_port}/metrics"]

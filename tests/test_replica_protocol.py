@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,7 +161,7 @@ def test_engine_load_sums_versions_and_reads_health() -> None:
         'tritium_engine_healthy{model="tritium",version="2"} 1',
         'malformed line',
     ])
-    load = engine_load(text, "tritium", now=time.monotonic())
+    load = engine_load(text, "tritium")
     assert (load.running, load.waiting, load.requests, load.engines, load.healthy) == (5, 4, 9, 2, True)
     assert load.kv_cache_usage == pytest.approx(0.25)
     assert not engine_load(text.replace('version="2"} 1', 'version="2"} 0'), "tritium").healthy

@@ -101,13 +101,18 @@ class Router:
         return f"--- {self.kind}-router log tail ---\n" + "\n".join(text[-lines:])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(3)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, 3)
+
+
+def terminate(process: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGTERM `process`, SIGKILL it if it is still there after `timeout` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def tiny_repository(dest: Path, model: Path) -> Path:
@@ -169,13 +174,7 @@ def kill_replica(replica: Replica) -> None:
 
 
 def stop_replica(replica: Replica) -> None:
-    if replica.endpoint.poll() is None:
-        replica.endpoint.terminate()
-        try:
-            replica.endpoint.wait(10)
-        except subprocess.TimeoutExpired:
-            replica.endpoint.kill()
-            replica.endpoint.wait()
+    terminate(replica.endpoint, 10)
     replica.served.stop()
     if replica.killed:  # nobody cleaned up after it: its shm segments are stale now
         assert wait_for(lambda: not group_members(replica.served.server_pid), 10), "orphans of the killed replica"
