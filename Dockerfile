@@ -1,6 +1,7 @@
 # tritium on NVIDIA's Triton Inference Server image (GPU). Build and run:
 #   docker build -t tritium .
-#   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 tritium
+#   docker run --gpus all --rm -e TRITIUM_API_KEY=... -p 8000:8000 -p 8001:8001 -p 8002:8002 tritium
+# `tritium serve` binds 0.0.0.0 only with a key ($TRITIUM_API_KEY; $TRITIUM_ADMIN_KEY for load/unload).
 # Server 2.51 = release 24.10 (Python 3.10); any release whose Python is >= 3.10 works.
 ARG TRITON_RELEASE=24.10
 FROM nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3
@@ -17,4 +18,4 @@ RUN pip install --no-cache-dir . \
  && tritium models --prepare
 
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/opt/tritium/model_repository"]
+CMD ["tritium", "serve", "--host", "0.0.0.0", "--model-repository", "/opt/tritium/model_repository"]

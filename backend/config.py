@@ -13,6 +13,8 @@ DTYPES = {
 }
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 128 << 10
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 << 20
 
 
 @dataclass
@@ -43,6 +45,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     enforce_eager: bool | None = None  # None: CUDA graphs for decode steps on CUDA, eager elsewhere
+    # Structured output: the most bytes a request's schema, regex or grammar may have, and the bound of the
+    # compiled-grammar cache (entries charged by their estimated memory; see grammar_compiler.py).
+    max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -62,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_structured_output_bytes < 1:
+            raise ValueError(f"max_structured_output_bytes must be >= 1, got {self.max_structured_output_bytes}")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from itertools import count
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from tritium.backend.attention import get_attention_backend, resolve_backend_nam
 from tritium.backend.block_manager import BlockManager
 from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
 from tritium.backend.fault_injection import FaultInjector
-from tritium.backend.grammar_compiler import GrammarCompiler
+from tritium.backend.grammar_compiler import CompileCallback, GrammarCompiler
 from tritium.backend.memory_budget import (
     check_fits_one_sequence,
     check_free_memory,
@@ -90,7 +91,7 @@ class LLMEngine:
             StopChecker(self.eos_token_ids),
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
-        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids, cache_bytes=config.grammar_cache_bytes)
         self.structured = StructuredDecoding(self.grammars, self.device, config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -136,9 +137,11 @@ class LLMEngine:
         prompt: str | None = None,
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        matcher: Any = None,
     ) -> None:
-        """Queue a request (text `prompt` or `prompt_token_ids`). Raises ValueError naming the field
-        and the rule for a bad request; nothing is queued then."""
+        """Queue a request (text `prompt` or `prompt_token_ids`). `matcher`: its structured output compiled
+        already (`compile_structured_output`); without it the grammar is compiled here. Raises ValueError
+        naming the field and the rule for a bad request; nothing is queued then."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -150,8 +153,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params)
-        if params.structured_output is not None:  # compiled already when the tokenizer thread checked it
-            self.structured.add(request_id, params.structured_output)
+        if params.structured_output is not None:
+            self.structured.add(request_id, params.structured_output, matcher)
         seq = Sequence(request_id, prompt, ids, params, next(self._arrivals))
         self.outputs.add(seq)
         self.sampler.add_request(request_id, params.seed)
@@ -188,17 +191,24 @@ class LLMEngine:
                 f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the model's context "
                 f"of {self.max_model_len} tokens; ask for at most {self.max_model_len - len(ids)} tokens"
             )
+        if params.structured_output is not None and \
+                (size := params.structured_output.source_bytes) > self.config.max_structured_output_bytes:
+            raise ValueError(
+                f"structured_output.{params.structured_output.kind} is {size} bytes; this engine takes at most "
+                f"{self.config.max_structured_output_bytes} (max_structured_output_bytes)"
+            )
         if len(ids) + params.max_tokens > self.kv_capacity_tokens:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache "
                 f"capacity of {self.kv_capacity_tokens} tokens"
             )
 
-    def check_structured_output(self, params: SamplingParams) -> None:
-        """Compile `params.structured_output` into the grammar cache (any thread: the serving tokenizer thread
-        does, so the engine thread finds it compiled). Raises ValueError naming what cannot be enforced."""
-        if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)
+    def compile_structured_output(self, params: SamplingParams, done: CompileCallback) -> None:
+        """Compile `params.structured_output` off the calling thread (any thread: the serving tokenizer thread
+        does) and call `done(matcher, None)`, or `done(None, why)` when it cannot be enforced; at once when
+        the grammar cache has it. Pass the matcher to `add_request`."""
+        assert params.structured_output is not None
+        self.grammars.submit(params.structured_output, done)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; its final output (finish_reason "abort") comes with

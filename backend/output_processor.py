@@ -32,7 +32,8 @@ class RequestState:
             self.unsent_text.append(text)
 
     def release_held(self) -> None:
-        """At a length or abort end: what the last tokens say, and a tail that never became a stop string."""
+        """At the end, whatever the reason: what the last tokens say, and a tail that never became a stop
+        string (after a stop string, nothing: `StopStrings` releases nothing more once stopped)."""
         self.release(self.detokenizer.flush())
         if self.stop_strings is not None and (tail := self.stop_strings.flush()):
             self.unsent_text.append(tail)
@@ -75,7 +76,7 @@ class OutputProcessor:
         totals (its state is dropped then)."""
         state = self.states[seq.request_id]
         finished = seq.finished
-        if finished and seq.finish_reason != "stop":
+        if finished:
             state.release_held()
         delta_text = "".join(state.unsent_text)
         state.unsent_text.clear()

@@ -40,9 +40,11 @@ class StopStrings:
         if self.stopped or not text:
             return ""
         window = self.held + text
-        hits = [(i, s) for s in self.stop if (i := window.find(s)) >= 0]
+        # The stop string that is complete first when the text is read a character at a time (the earliest end;
+        # at the same end, the longest): the same verdict whatever the pieces the text arrives in.
+        hits = [(i + len(s), i, s) for s in self.stop if (i := window.find(s)) >= 0]
         if hits:
-            i, s = min(hits)
+            _, i, s = min(hits)
             self.stopped = True
             self.held = ""
             return window[: i + len(s)] if self.include_stop_str else window[:i]

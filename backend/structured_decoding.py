@@ -75,10 +75,10 @@ class StructuredDecoding:
         self._executor = llguidance.LLExecutor()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tritium-masks")
 
-    def add(self, request_id: str, spec: StructuredOutput) -> None:
-        """Give `request_id` a matcher at the start of `spec` (compiled, or a copy of the cached one). Raises
-        ValueError when `spec` cannot be enforced."""
-        self.matchers[request_id] = self.compiler.compile(spec)
+    def add(self, request_id: str, spec: StructuredOutput, matcher: llguidance.LLMatcher | None = None) -> None:
+        """Give `request_id` `matcher` (at the start of `spec`), or compile one now. Raises ValueError when
+        `spec` cannot be enforced."""
+        self.matchers[request_id] = matcher if matcher is not None else self.compiler.compile(spec)
 
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)

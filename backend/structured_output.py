@@ -94,6 +94,11 @@ class StructuredOutput:
         assert self.grammar is not None
         return "lark", self.grammar
 
+    @property
+    def source_bytes(self) -> int:
+        """The size of what is compiled (the schema's JSON text, the regex, the grammar), in UTF-8 bytes."""
+        return len(self.lark_or_json_grammar()[1].encode("utf-8", "surrogatepass"))
+
     def json_options(self) -> dict[str, Any]:
         """llguidance's JSON compile options for this request."""
         options: dict[str, Any] = {"whitespace_flexible": self.any_whitespace or self.whitespace_pattern is not None}

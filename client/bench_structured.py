@@ -373,7 +373,7 @@ def _slowest(per_schema: dict[str, list[float]], k: int = 3) -> dict[str, float]
 def bench_llguidance(tokenizer: Tokenizer, eos: list[int], cached: GrammarCompiler, trajectories: list[Trajectory],
                      s: Settings) -> LibraryReport:
     """Sections 2-4 through the engine's own GrammarCompiler (`cached` is the engine's, its cache warm)."""
-    cold = GrammarCompiler(tokenizer, eos, cache_size=0)  # caches nothing: every compile is a cold one
+    cold = GrammarCompiler(tokenizer, eos, cache_bytes=0)  # caches nothing: every compile is a cold one
     t0 = time.perf_counter()
     ll_tokenizer = cold.ll_tokenizer
     tokenizer_build_s = time.perf_counter() - t0

@@ -157,11 +157,26 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     return gpu_check_main(["--out", args.out, *(["--smoke"] if args.smoke else [])])
 
 
+def cmd_bench_grammar_load(args: argparse.Namespace) -> int:
+    from tritium.client.bench_grammar_load import run_grammar_load_benchmark
+
+    run_grammar_load_benchmark(num_schemas=args.num_schemas, kib=args.kib, num_large=args.num_large,
+                               large_kib=args.large_kib, sample_every=args.sample_every, out_dir=args.out_dir)
+    return 0
+
+
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from tritium.client.bench_kernels import run_kernel_benchmark
 
     run_kernel_benchmark(out_dir=args.out_dir, smoke=args.smoke)
     return 0
+
+
+def _add_unsafe_flag(p: argparse.ArgumentParser) -> None:
+    from tritium.client.bind_policy import UNSAFE_FLAG
+
+    p.add_argument(UNSAFE_FLAG, action="store_true",
+                   help="allow binding a non-loopback --host without --api-key (only on a trusted network)")
 
 
 def _serve_auth(options: ServerOptions) -> str:
@@ -197,8 +212,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
     import time
 
+    from tritium.client.bind_policy import open_bind_refusal
     from tritium.client.triton_server import ServerOptions, TritonServer
 
+    if (refusal := open_bind_refusal(args.host, bool(args.api_key), args.unsafe_no_auth)) is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     options = ServerOptions(
         model_repository=Path(args.model_repository).resolve(), host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
@@ -257,10 +276,15 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
 
 
 def cmd_openai(args: argparse.Namespace) -> int:
+    from tritium.client.bind_policy import open_bind_refusal
     from tritium.client.openai_server import serve_openai
 
+    if (refusal := open_bind_refusal(args.host, bool(args.api_key), args.unsafe_no_auth)) is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer,
-                 max_concurrency=args.max_concurrency, metrics_urls=args.upstream_metrics)
+                 max_concurrency=args.max_concurrency, metrics_urls=args.upstream_metrics,
+                 expose_model_path=args.expose_model_path)
     return 0
 
 
@@ -325,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a model whose engine fails is unloaded)")
     p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
     p.add_argument("--log-verbose", type=int, default=0)
+    _add_unsafe_flag(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("openai", help="OpenAI-compatible endpoint in front of tritonserver replicas")
@@ -340,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="model folder whose tokenizer/chat template to use")
     p.add_argument("--max-concurrency", type=int, default=256,
                    help="upstream requests in flight (a choice each) beyond which requests get 503 + Retry-After")
+    p.add_argument("--expose-model-path", action="store_true",
+                   help="name the local model folder in /model_info and /server_info (sglang-router loads the "
+                   "tokenizer from there); by default those open routes carry no filesystem path")
+    _add_unsafe_flag(p)
     p.set_defaults(func=cmd_openai)
 
     p = sub.add_parser("gpu-check", help="on a CUDA GPU: kernels, parity, syncs, benchmarks and goals in ~5 minutes")
@@ -365,6 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="few requests and tokens, one repeat: checks the script")
     p.add_argument("--out-dir", default="bench_results")
     p.set_defaults(func=cmd_bench_structured)
+    p = bench.add_parser("grammar-load", help="memory of many large schemas; wait of a request behind large compiles")
+    p.add_argument("--num-schemas", type=int, default=1000, help="distinct schemas compiled (memory)")
+    p.add_argument("--kib", type=int, default=100, help="size of each of them")
+    p.add_argument("--sample-every", type=int, default=50, help="RSS sampled every this many schemas")
+    p.add_argument("--num-large", type=int, default=10, help="large schemas queued before an unconstrained request")
+    p.add_argument("--large-kib", type=int, default=120, help="size of each of those")
+    p.add_argument("--out-dir", default="bench_results")
+    p.set_defaults(func=cmd_bench_grammar_load)
     p = bench.add_parser("kernels", help="Triton kernels vs torch SDPA / paged gather (CUDA)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, to test the script")
     p.add_argument("--out-dir", default="bench_results")

@@ -57,14 +57,19 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def render_prompt(tokenizer: Tokenizer, body: ChatRequest, mode: str) -> str:
+def render_prompt(tokenizer: Tokenizer, body: ChatRequest, mode: str, add_generation_prompt: bool = True) -> str:
     """The prompt: the messages (and tools) through the model's chat template. Raises ValueError when the
-    template refuses them."""
+    template refuses them or what they hold cannot be sent as UTF-8 (a lone surrogate in an extra field)."""
     tools = _tools(body) or None
     generic = not tokenizer.supports_tools
     messages = template_messages([_message_dict(m) for m in body.messages], generic,
                                  tools if generic and mode != "none" else None)
-    return tokenizer.apply_chat_template(messages, tools=None if generic else tools)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=None if generic else tools)
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("messages: must be valid Unicode text (something in them holds a lone surrogate)") from None
+    return prompt
 
 
 def parser_factory(tokenizer: Tokenizer, body: ChatRequest, mode: str) -> Callable[[], ToolParser] | None:

@@ -30,7 +30,7 @@ DEFAULT_MAX_CONCURRENCY = 256  # upstream requests in flight per endpoint (`trit
 RETRY_AFTER_S = 1  # the Retry-After of a 503
 
 
-def _utf8(value: Any) -> Any:
+def utf8_text(value: Any) -> Any:
     """Reject strings that cannot be sent on as UTF-8 (lone surrogates such as JSON "\\ud800"); other
     values (text parts, checked on their own) pass."""
     for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
@@ -84,7 +84,7 @@ class StructuredOutputs(_Strict):
     disable_any_whitespace: bool | None = None
     backend: str | None = None  # accepted, ignored: the engine always uses llguidance
 
-    _check_utf8 = field_validator("regex", "choice", "grammar", "whitespace_pattern")(_utf8)
+    _check_utf8 = field_validator("regex", "choice", "grammar", "whitespace_pattern")(utf8_text)
 
 
 CONSTRAINT_KEYS = ("json", "json_object", "regex", "choice", "grammar")
@@ -166,7 +166,7 @@ class SamplingFields(VllmExtraFields):
     structured_outputs: StructuredOutputs | None = None
 
     _check_utf8 = field_validator("model", "stop", "user", "guided_regex", "guided_choice", "guided_grammar",
-                                  "guided_whitespace_pattern")(_utf8)
+                                  "guided_whitespace_pattern")(utf8_text)
 
     def output_constraints(self) -> list[tuple[str, dict[str, Any]]]:
         """(the field that asked, the engine's constraint) for each output constraint in the request."""
@@ -237,14 +237,14 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = engine_field("logprobs")
     echo: bool = False
 
-    _check_prompt_utf8 = field_validator("prompt")(_utf8)
+    _check_prompt_utf8 = field_validator("prompt")(utf8_text)
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
-    _check_utf8 = field_validator("text")(_utf8)
+    _check_utf8 = field_validator("text")(utf8_text)
 
 
 class _Echoed(BaseModel):
@@ -275,7 +275,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
-    _check_utf8 = field_validator("content")(_utf8)
+    _check_utf8 = field_validator("content")(utf8_text)
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
@@ -316,6 +316,14 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+def distinct_tool_names(tools: list[Tool] | None) -> list[Tool] | None:
+    """A field validator: tools' function names must be distinct."""
+    names = [t.function.name for t in tools or []]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"function names must be distinct, {dupes[0]!r} is given twice")
+    return tools
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -326,13 +334,7 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool = True
     continue_final_message: Literal[False] = False  # vllm-router sends false; true is not supported
 
-    @field_validator("tools")
-    @classmethod
-    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
-        names = [t.function.name for t in tools or []]
-        if dupes := sorted({n for n in names if names.count(n) > 1}):
-            raise ValueError(f"function names must be distinct, {dupes[0]!r} is given twice")
-        return tools
+    _distinct_names = field_validator("tools")(distinct_tool_names)
 
     def tool_mode(self) -> str:
         """"none", "auto", "required" or "named": what tool_choice asks, its default ("auto" with tools,

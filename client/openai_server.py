@@ -105,7 +105,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         if err.get("type") == "json_invalid":
             return error_response(400, f"body is not valid JSON: {err.get('ctx', {}).get('error')}")
         # Past the field name, pydantic also names the member of a union that failed: not a field.
-        loc = [str(p) for i, p in enumerate(err.get("loc", ())) if p != "body" and not (i > 1 and _is_union_tag(p))]
+        loc = [str(p) for i, p in enumerate(err.get("loc", ())) if p != "body" and not (i >= 1 and _is_union_tag(p))]
         param = ".".join(loc) or None
         return error_response(400, f"{param or 'body'}: {err.get('msg')}", param=param)
 
@@ -362,7 +362,6 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         parser = parser_factory(tokenizer, body, mode)
         try:  # a long conversation takes a while to render: off the event loop
             prompt = await asyncio.to_thread(render_prompt, tokenizer, body, mode)
-            prompt.encode("utf-8")  # an extra message field may hold a lone surrogate
         except ValueError as exc:
             return error_response(400, str(exc), param="messages")
         except Exception as exc:  # the template choked on what the messages hold (odd extra fields)
@@ -420,9 +419,10 @@ def model_max_len(folder: Any) -> int | None:
 
 def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None, model: str,
                  tokenizer_path: str | None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-                 metrics_urls: list[str] | None = None) -> None:
+                 metrics_urls: list[str] | None = None, expose_model_path: bool = False) -> None:
     """Serve the endpoint. `metrics_urls`: one per upstream, in order; without them an upstream on Triton's
-    default gRPC port 8001 is read at its host's port 8002, others not at all."""
+    default gRPC port 8001 is read at its host's port 8002, others not at all (their load is then counted
+    from this endpoint's own requests). `expose_model_path`: /model_info names the local model folder."""
     import uvicorn
 
     from tritium.backend.models.registry import resolve_model
@@ -435,6 +435,7 @@ def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None
                          "per upstream, in the same order")
     urls: list[str | None] = list(metrics_urls) if metrics_urls else [default_metrics_url(u) for u in upstreams]
     app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer, max_concurrency=max_concurrency,
-                     metrics_urls=urls, model_path=str(folder), max_model_len=model_max_len(folder))
+                     metrics_urls=urls, model_path=str(folder) if expose_model_path else None,
+                     max_model_len=model_max_len(folder))
     print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -14,47 +14,68 @@ router reads the same `EngineLoad` to pick a replica, so every layer sees one tr
 
 Values are summed over the model's versions (each version is its own engine). The engine pushes them at most
 every 0.5 s, so they trail the engine by that much.
+
+A replica whose metrics are unknown (no metrics URL, or the last scrape failed: a dead port, a page cut short,
+garbage, NaN) is counted by what the endpoint itself has in flight there (`EngineLoad.in_flight`): requests
+that streamed a token are running, the others waiting. Its KV cache figures cannot be known that way: they
+are left out (None), never reported as 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import re
 import time
 import urllib.request
 from dataclasses import dataclass
 
-SCRAPE_TIMEOUT_S = 2.0
+logger = logging.getLogger(__name__)
+SCRAPE_TIMEOUT_S = 2.0  # for the whole page: connecting, headers and body
+MAX_METRICS_BYTES = 8 << 20
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass
 class EngineLoad:
-    """One replica's engine(s) for one model. `healthy` is False when no engine reports serving."""
+    """One replica's engine(s) for one model. `healthy` is False when no engine reports serving. KV figures
+    are None when unknown (a load counted from the endpoint's own requests: `in_flight`)."""
 
     running: int = 0
     waiting: int = 0
-    kv_cache_usage: float = 0.0
-    kv_blocks: int = 0
-    kv_used_blocks: int = 0
+    kv_cache_usage: float | None = 0.0
+    kv_blocks: int | None = 0
+    kv_used_blocks: int | None = 0
     block_size: int = 0
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
     engines: int = 0
     healthy: bool = False
 
+    @classmethod
+    def in_flight(cls, streaming: int, not_started: int) -> EngineLoad:
+        """What an endpoint knows of a replica whose metrics it cannot read: its own requests there (those
+        that streamed a token run; the others wait, as far as it can tell); no KV figures."""
+        return cls(running=streaming, waiting=not_started, kv_cache_usage=None, kv_blocks=None,
+                   kv_used_blocks=None)
+
     @property
     def requests(self) -> int:
         return self.running + self.waiting
 
     def add(self, other: EngineLoad) -> EngineLoad:
-        """Two replicas' loads as one (what an endpoint in front of both serves)."""
-        blocks = self.kv_blocks + other.kv_blocks
-        used = self.kv_used_blocks + other.kv_used_blocks
+        """Two replicas' loads as one (what an endpoint in front of both serves); KV figures only when both
+        are known."""
+        blocks = used = usage = None
+        if self.kv_blocks is not None and other.kv_blocks is not None:
+            blocks = self.kv_blocks + other.kv_blocks
+            used = (self.kv_used_blocks or 0) + (other.kv_used_blocks or 0)
+            usage = used / blocks if blocks else (self.kv_cache_usage or 0.0) + (other.kv_cache_usage or 0.0)
         return EngineLoad(
             running=self.running + other.running, waiting=self.waiting + other.waiting,
-            kv_cache_usage=used / blocks if blocks else 0.0, kv_blocks=blocks, kv_used_blocks=used,
+            kv_cache_usage=usage, kv_blocks=blocks, kv_used_blocks=used,
             block_size=self.block_size or other.block_size,
             prefix_hit_tokens=self.prefix_hit_tokens + other.prefix_hit_tokens,
             prefix_queried_tokens=self.prefix_queried_tokens + other.prefix_queried_tokens,
@@ -90,12 +111,17 @@ _FIELDS = {
 
 
 def engine_load(metrics_text: str, model: str) -> EngineLoad:
-    """The load of `model`'s engines (every version) in a tritonserver's metrics text."""
+    """The load of `model`'s engines (every version) in a tritonserver's metrics text (`engines` 0 when it
+    holds none of them). Raises ValueError when one of its figures is not a finite number (NaN, Inf): such a
+    page says nothing reliable about the load."""
     load = EngineLoad()
     ratio_sum = 0.0
     for name, labels, value in parse_samples(metrics_text):
         if labels.get("model") != model:
             continue
+        if not math.isfinite(value) and (name in _FIELDS or name.startswith("tritium_kv_cache")
+                                         or name == "tritium_engine_healthy"):
+            raise ValueError(f"{name} is {value}, not a count")
         if name == "tritium_engine_healthy":
             load.engines += 1
             load.healthy = load.healthy or value == 1
@@ -105,7 +131,7 @@ def engine_load(metrics_text: str, model: str) -> EngineLoad:
             if field == "block_size":
                 load.block_size = int(value)
             else:
-                setattr(load, field, getattr(load, field) + int(value))
+                setattr(load, field, (getattr(load, field) or 0) + int(value))
     if load.kv_blocks:
         load.kv_cache_usage = load.kv_used_blocks / load.kv_blocks
     elif load.engines:
@@ -113,26 +139,49 @@ def engine_load(metrics_text: str, model: str) -> EngineLoad:
     return load
 
 
-def fetch_metrics(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> str:
-    """GET a metrics page. Raises OSError (ValueError for a malformed URL) when it does not answer."""
+def fetch_metrics(url: str, timeout: float | None = None) -> str:
+    """GET a metrics page within `timeout` (default SCRAPE_TIMEOUT_S) in all: a server that trickles its page is
+    cut off. Raises OSError or http.client.HTTPException when it does not answer or its page is cut short or
+    not HTTP, ValueError for a malformed URL or a page over MAX_METRICS_BYTES."""
+    timeout = SCRAPE_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + timeout
     with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode("utf-8", "replace")
+        parts: list[bytes] = []
+        size = 0
+        while chunk := response.read1(1 << 16):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > MAX_METRICS_BYTES:
+                raise ValueError(f"the metrics page is over {MAX_METRICS_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the metrics page took over {timeout:g} s")
+        return b"".join(parts).decode("utf-8", "replace")
 
 
 async def fetch_metrics_async(url: str | None) -> str | None:
-    """`fetch_metrics` off the event loop; None without a URL or when the metrics port does not answer."""
+    """`fetch_metrics` off the event loop; None without a URL or when the page cannot be read (whatever went
+    wrong: a failed scrape means "unknown" for that round, never an error)."""
     if url is None:
         return None
     try:
-        return await asyncio.to_thread(fetch_metrics, url)
-    except (OSError, ValueError):
+        return await asyncio.wait_for(asyncio.to_thread(fetch_metrics, url), SCRAPE_TIMEOUT_S + 1.0)
+    except Exception as exc:
+        logger.debug("scraping %s failed: %r", url, exc)
         return None
 
 
 async def scrape_async(url: str, model: str) -> EngineLoad | None:
-    """`model`'s load from a tritonserver's metrics, fetched off the event loop; None when it does not answer."""
+    """`model`'s load from a tritonserver's metrics, fetched off the event loop; None when it cannot be read or
+    holds no engine of `model`."""
     text = await fetch_metrics_async(url)
-    return engine_load(text, model) if text is not None else None
+    if text is None:
+        return None
+    try:
+        load = engine_load(text, model)
+    except ValueError as exc:
+        logger.debug("the metrics of %s hold no usable load: %s", url, exc)
+        return None
+    return load if load.engines else None
 
 
 def _label_value(value: str) -> str:
@@ -150,13 +199,18 @@ def vllm_metrics(load: EngineLoad, model_name: str) -> str:
         "# HELP vllm:num_requests_waiting Requests accepted and not running yet (tritium_num_requests_waiting).",
         "# TYPE vllm:num_requests_waiting gauge",
         f"vllm:num_requests_waiting{{{label}}} {load.waiting}",
-        "# HELP vllm:kv_cache_usage_perc KV cache usage, 0 to 1 (1 = 100 percent).",
-        "# TYPE vllm:kv_cache_usage_perc gauge",
-        f"vllm:kv_cache_usage_perc{{{label}}} {load.kv_cache_usage:.6f}",
-        "# HELP vllm:cache_config_info The KV cache's configuration.",
-        "# TYPE vllm:cache_config_info gauge",
-        f'vllm:cache_config_info{{block_size="{load.block_size}",enable_prefix_caching="True",'
-        f'num_gpu_blocks="{load.kv_blocks}",{label}}} 1.0',
+    ]
+    if load.kv_cache_usage is not None:  # unknown without the engines' metrics: left out, not 0
+        lines += [
+            "# HELP vllm:kv_cache_usage_perc KV cache usage, 0 to 1 (1 = 100 percent).",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{label}}} {load.kv_cache_usage:.6f}",
+            "# HELP vllm:cache_config_info The KV cache's configuration.",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="{load.block_size}",enable_prefix_caching="True",'
+            f'num_gpu_blocks="{load.kv_blocks}",{label}}} 1.0',
+        ]
+    lines += [
         "# HELP vllm:lora_requests_info LoRA adapters in use (tritium serves none).",
         "# TYPE vllm:lora_requests_info gauge",
         f'vllm:lora_requests_info{{max_lora="0",running_lora_adapters="",waiting_lora_adapters="",{label}}} '

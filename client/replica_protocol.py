@@ -25,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client.openai_chat import chat_constraint, render_prompt
@@ -40,7 +40,9 @@ from tritium.client.openai_protocol import (
     CompletionRequest,
     RequestError,
     Tool,
+    distinct_tool_names,
     error_response,
+    utf8_text,
 )
 from tritium.client.replica_load import EngineLoad, engine_load, fetch_metrics_async, vllm_metrics
 from tritium.client.router import Router
@@ -58,6 +60,8 @@ class TokenizeCompletion(_Lenient):
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
+    _check_utf8 = field_validator("model", "prompt")(utf8_text)
+
 
 class TokenizeChat(_Lenient):
     model: str | None = None
@@ -66,6 +70,18 @@ class TokenizeChat(_Lenient):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
+
+    _check_utf8 = field_validator("model")(utf8_text)
+    _distinct_names = field_validator("tools")(distinct_tool_names)
+
+
+def _tokenize_kind(value: Any) -> str:
+    """Which shape a /tokenize body has (so that errors come from that shape alone)."""
+    return "Chat" if isinstance(value, dict) and "messages" in value else "Completion"
+
+
+TokenizeBody = Annotated[Annotated[TokenizeCompletion, Tag("Completion")] | Annotated[TokenizeChat, Tag("Chat")],
+                         Discriminator(_tokenize_kind)]
 
 
 class Detokenize(_Lenient):
@@ -114,11 +130,17 @@ def upstream_tritium_metrics(texts: list[str | None]) -> str:
 
 
 def total_load(router: Router, texts: list[str | None]) -> EngineLoad:
-    """The replicas' loads as one: what this endpoint, in front of all of them, reports."""
+    """The replicas' loads as one: what this endpoint, in front of all of them, reports. A replica whose
+    metrics text is missing or holds no engine of the model counts by this endpoint's own requests there."""
     total = EngineLoad()
-    for text in texts:
-        if text is not None:
-            total = total.add(engine_load(text, router.model))
+    for replica, text in zip(router.replicas, texts, strict=True):
+        try:
+            load = engine_load(text, router.model) if text is not None else None
+        except ValueError:  # a figure that is no count (NaN, Inf): the engine's load is unknown
+            load = None
+        if load is None or not load.engines:
+            load = EngineLoad.in_flight(replica.streaming, replica.in_flight - replica.streaming)
+        total = total.add(load)
     return total
 
 
@@ -166,18 +188,24 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
     @app.get("/get_load")
     async def get_load() -> dict[str, Any]:
         load = total_load(router, await upstream.texts())
-        return {"load": load.requests, "num_requests_running": load.running,
-                "num_requests_waiting": load.waiting, "kv_cache_usage_perc": round(load.kv_cache_usage, 6),
-                "in_flight": admission.in_flight, "healthy_replicas": sum(r.healthy for r in router.replicas)}
+        reply: dict[str, Any] = {"load": load.requests, "num_requests_running": load.running,
+                                 "num_requests_waiting": load.waiting}
+        if load.kv_cache_usage is not None:  # unknown without the engines' metrics: left out, not 0
+            reply["kv_cache_usage_perc"] = round(load.kv_cache_usage, 6)
+        return reply | {"in_flight": admission.in_flight,
+                        "healthy_replicas": sum(r.healthy for r in router.replicas)}
 
     @app.post("/tokenize", response_model=None)
-    async def tokenize(body: TokenizeCompletion | TokenizeChat) -> Any:
+    async def tokenize(body: TokenizeBody) -> Any:
         if (bad := wrong_model(body.model)) is not None:
             return bad
         if isinstance(body, TokenizeChat):
-            chat = ChatRequest(model=model, messages=body.messages, tools=body.tools)
+            chat = ChatRequest.model_construct(model=model, messages=body.messages, tools=body.tools)
             try:
-                text = await asyncio.to_thread(render_prompt, tokenizer, chat, "auto" if body.tools else "none")
+                text = await asyncio.to_thread(render_prompt, tokenizer, chat, "auto" if body.tools else "none",
+                                               body.add_generation_prompt)
+            except ValueError as exc:
+                return error_response(400, f"invalid request: {exc}", param="messages")
             except Exception:
                 return error_response(400, "invalid request: messages cannot be rendered with the model's chat "
                                       "template", param="messages")

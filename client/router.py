@@ -8,7 +8,8 @@ has outstanding there, plus EXTERNAL_REQUEST_TOKENS for each request the replica
 this router's own: requests another router or client sent it.
 
 Health, every HEALTH_INTERVAL_S: the model is ready (Triton's model-ready call) and, where the metrics port
-answers, an engine of it reports serving (`tritium_engine_healthy`).
+answers, an engine of it reports serving (`tritium_engine_healthy`). A probe that fails in any way counts
+for its round only (not ready, or load unknown); the loop runs as long as the router.
 
 Only what is safe is retried on another replica, and only before the first token: a transport failure
 (connection refused, gRPC UNAVAILABLE, a replica that went down; the replica is marked down) and a replica
@@ -86,8 +87,16 @@ class Replica:
     healthy: bool = True
     outstanding_tokens: int = 0
     in_flight: int = 0
+    streaming: int = 0  # of in_flight, those that streamed a token
     requests_served: int = 0
-    load: EngineLoad | None = None  # the last scrape of its metrics port (None: it did not answer)
+    load: EngineLoad | None = None  # the last scrape of its metrics port (None: unknown)
+
+    @property
+    def known_load(self) -> EngineLoad:
+        """The engine's load from its metrics, or, when they are unknown, this router's own requests there."""
+        if self.load is not None:
+            return self.load
+        return EngineLoad.in_flight(self.streaming, self.in_flight - self.streaming)
 
     @property
     def busy_tokens(self) -> int:
@@ -133,23 +142,31 @@ class Router:
             await r.client.close()
 
     async def check_health(self) -> None:
+        """Probe every replica once: its model's readiness and, where it has a metrics URL, its engines'
+        load and health. Never raises: what fails is unknown (load) or not ready (health) this round."""
         async def probe(replica: Replica) -> None:
-            if replica.metrics_url:
-                replica.load = await scrape_async(replica.metrics_url, self.model)
+            try:
+                replica.load = await scrape_async(replica.metrics_url, self.model) if replica.metrics_url else None
+            except Exception:
+                logger.exception("reading the load of %s failed", replica.url)
+                replica.load = None
             try:
                 ready = bool(await asyncio.wait_for(
                     replica.client.is_model_ready(self.model, headers=self.headers), 2.0))
             except Exception:
                 ready = False
             load = replica.load
-            replica.healthy = ready and (load is None or load.engines == 0 or load.healthy)
+            replica.healthy = ready and (load is None or load.healthy)
 
         await asyncio.gather(*(probe(r) for r in self.replicas))
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_INTERVAL_S)
-            await self.check_health()
+            try:
+                await self.check_health()
+            except Exception:  # never: check_health does not raise; the loop must outlive any surprise
+                logger.exception("the health check failed")
 
     def pick(self, prompt: str, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
         healthy = [r for r in self.replicas if r.healthy and r.url not in exclude]
@@ -179,8 +196,12 @@ class Router:
             cost = min(int(sampling.get("max_tokens", 16)), 1 << 20) + len(prompt) // 4
             replica.outstanding_tokens += cost
             replica.in_flight += 1
+            started = False
             try:
                 async for chunk in self._stream(replica, prompt, sampling, want_logprobs):
+                    if not started:
+                        started = True
+                        replica.streaming += 1
                     yield chunk
                 replica.requests_served += 1
                 return
@@ -196,6 +217,7 @@ class Router:
             finally:
                 replica.outstanding_tokens -= cost
                 replica.in_flight -= 1
+                replica.streaming -= started
 
     async def _stream(self, replica: Replica, prompt: str, sampling: dict[str, Any], want_logprobs: bool
                       ) -> AsyncIterator[Chunk]:

@@ -251,32 +251,43 @@ class _Calls:
 
 class HermesParser:
     """`<tool_call>{json}</tool_call>` blocks among text. Text streams as it comes, except an end that could
-    begin a `<tool_call>` and whitespace (held until what follows is known). Whitespace next to a call is
-    dropped; so is a trailing run once a call was found. A block that does not parse stays content, as it was
-    written; an unclosed block at the end is a call if its text parses."""
+    begin a `<tool_call>` and whitespace (held until what follows is known). The text around calls is content:
+    where text comes before and after a call, the whitespace that stood before the call (else after it)
+    separates them; whitespace at the start, at the end and between calls is dropped once a call was found.
+    A block that does not parse stays content, as it was written; an unclosed block at the end is a call if
+    its text parses."""
 
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False
         self._held = ""  # whitespace not shown yet
         self._before_call = ""  # the whitespace before the open block
-        self._after_call = False  # whitespace right after a call is dropped
+        self._after_call = False  # a call ended and no text followed yet
+        self._after_ws = ""  # the whitespace seen since that call
+        self._shown = False  # some content was shown
         self._calls = _Calls()
 
     def _text(self, text: str) -> str:
         """Content to show now for `text`, holding back its trailing whitespace."""
         if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
+            rest = text.lstrip()
+            if not rest:
+                self._after_ws += text
+                return ""
+            separator = self._held or self._after_ws + text[: len(text) - len(rest)]
+            text = (separator if self._shown else "") + rest
+            self._held, self._after_call, self._after_ws = "", False, ""
         text = self._held + text
         shown = text.rstrip()
         self._held = text[len(shown):]
+        self._shown = self._shown or bool(shown)
         return shown
 
     def _close(self, body: str, closed: bool) -> Parsed:
         call = _call_from_json(_loads(body), ("arguments", "parameters"))
-        if call is not None:
-            self._in_call, self._before_call, self._after_call = False, "", True
+        if call is not None:  # the whitespace before it waits to separate the text before from what follows
+            self._in_call, self._after_call = False, True
+            self._held, self._before_call = self._before_call, ""
             return Parsed(tool_calls=[self._calls.delta(call)])
         raw = self._before_call + TOOL_CALL_START + body + (TOOL_CALL_END if closed else "")
         self._in_call, self._before_call = False, ""

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -32,12 +33,14 @@ class Served:
     metrics: str
     output: list[str] = field(default_factory=list)
     server_pid: int = 0  # tritonserver's own pid (also in its shm prefix)
+    lines: queue.Queue[str | None] | None = None  # its output after the ready line (None: the end)
 
     def leftovers(self) -> list[str]:
         """Stub processes and /dev/shm segments of this server still around (none after stop())."""
         return [*shm_segments(f"tritium_{self.server_pid}_"), *(f"stub {p}" for p in stub_pids(self.server_pid))]
 
     def stop(self) -> str:
+        """Stop the launcher (SIGINT, then SIGKILL after 60 s); returns what it printed after it was ready."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -45,8 +48,13 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        out = self.process.stdout.read() if self.process.stdout else ""
-        return out
+        if self.lines is None:
+            return self.process.stdout.read() if self.process.stdout else ""
+        out = []
+        with contextlib.suppress(queue.Empty):
+            while (line := self.lines.get(timeout=10)) is not None:
+                out.append(line)
+        return "".join(out)
 
 
 def start_serve(*args: str, timeout: float = 240.0, env: dict[str, str] | None = None) -> Served:
@@ -57,18 +65,36 @@ def start_serve(*args: str, timeout: float = 240.0, env: dict[str, str] | None =
     full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
     served = Served(proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics")
+    lines = _lines_of(proc)
     deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    while (left := deadline - time.monotonic()) > 0:
+        try:  # a server that prints nothing cannot hold this past the deadline
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
             raise RuntimeError("tritium serve exited:\n" + "".join(served.output))
         served.output.append(line)
         if "tritium is serving" in line:
             served.server_pid = tritonserver_pid(served)
+            served.lines = lines
             return served
     served.stop()
-    raise RuntimeError("tritium serve did not become ready:\n" + "".join(served.output))
+    raise RuntimeError(f"tritium serve did not become ready within {timeout:g} s:\n" + "".join(served.output))
+
+
+def _lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    """The process's output lines as they come (None at its end), read on a thread of their own."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 60.0, interval: float = 0.2) -> bool:

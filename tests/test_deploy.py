@@ -297,6 +297,60 @@ def test_tritium_command_lines_parse_with_tritiums_cli() -> None:
     assert openai.upstream_metrics == [f"http://127.0.0.1:{serve.metrics_port}/metrics"]
 
 
+def secret_env(c: dict[str, Any]) -> dict[str, str]:
+    """The container's environment variables that come from a Secret: name -> "secret/key"."""
+    out = {}
+    for env in c.get("env", []):
+        ref = env.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None:
+            out[env["name"]] = f"{ref['name']}/{ref['key']}"
+    return out
+
+
+def unkeyed_exposures(docs: list[Doc]) -> list[str]:
+    """Every tritium server in `docs` that binds a non-loopback address without its keys from a Secret
+    (`tritium serve`: the API and admin keys; `tritium openai`: the API key), and every vllm-router that
+    would reach keyed workers without the key."""
+    from tritium.client.bind_policy import is_loopback
+
+    parser = build_parser()
+    found = []
+    for deployment in (d for d in docs if d.kind == "Deployment"):
+        for c in pod_spec(deployment)["containers"]:
+            command, secrets = c.get("command", []), secret_env(c)
+            if command[:2] in (["tritium", "serve"], ["tritium", "openai"]):
+                args = parser.parse_args(command[1:])
+                if is_loopback(args.host) or "--unsafe-no-auth" in command:
+                    continue
+                wanted = ["TRITIUM_API_KEY", "TRITIUM_ADMIN_KEY"] if command[1] == "serve" else ["TRITIUM_API_KEY"]
+                missing = [name for name in wanted if name not in secrets
+                           and f"--{name.removeprefix('TRITIUM_').lower().replace('_', '-')}" not in command]
+                if missing:
+                    found.append(f"{deployment} container {c['name']}: binds {args.host} without "
+                                 f"{', '.join(missing)} from a Secret")
+            elif command[:1] == ["vllm-router"] and ("--api-key" not in command or "TRITIUM_API_KEY" not in secrets):
+                found.append(f"{deployment} container {c['name']}: no --api-key $(TRITIUM_API_KEY) from a "
+                             "Secret for its workers")
+    return found
+
+
+def test_no_manifest_exposes_a_port_without_keys() -> None:
+    assert unkeyed_exposures(DOCS) == []
+    secrets = {ref for d in of_kind("Deployment") for c in pod_spec(d)["containers"] for ref in secret_env(c).values()}
+    assert secrets == {"tritium-keys/api-key", "tritium-keys/admin-key"}
+
+
+@pytest.mark.parametrize(("name", "drop"), [("tritonserver", "TRITIUM_ADMIN_KEY"), ("openai", "TRITIUM_API_KEY"),
+                                            ("vllm-router", "TRITIUM_API_KEY")])
+def test_a_manifest_without_a_key_is_caught(name: str, drop: str) -> None:
+    docs = copy.deepcopy(DOCS)
+    for d in docs:
+        for c in pod_spec(d)["containers"] if d.kind == "Deployment" else []:
+            if c["name"] == name:
+                c["env"] = [e for e in c.get("env", []) if e["name"] != drop]
+    assert len(unkeyed_exposures(docs)) == 1
+
+
 def test_model_json_loads_and_names_the_mounted_weights(tmp_path: Path) -> None:
     version_dir = tmp_path / "tritium" / "1"
     version_dir.mkdir(parents=True)

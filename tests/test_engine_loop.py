@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from serve_helpers import wait_for
 from test_isolation import RecordingSink
 
 from tritium.backend import LLM, SamplingParams
@@ -126,8 +127,51 @@ def test_the_pacer_coalesces_only_while_sending_is_the_bottleneck() -> None:
 @pytest.mark.parametrize("settings,message", [({"stream_interval": 0}, "stream_interval must be an integer >= 1"),
                                               ({"stream_interval": "2"}, "stream_interval must be an integer"),
                                               ({"stream_interval": 4, "max_stream_interval": 2},
-                                               "max_stream_interval must be an integer >= 4")])
-def test_stream_interval_settings_are_checked(tmp_path: Path, settings: dict, message: str) -> None:
+                                               "max_stream_interval must be an integer >= 4"),
+                                              ({"request_timeout_s": -5}, "request_timeout_s must be a number of "
+                                                                          "seconds > 0"),
+                                              ({"request_timeout_s": 0}, "request_timeout_s must be"),
+                                              ({"request_timeout_s": "10"}, "request_timeout_s must be"),
+                                              ({"request_timeout_s": True}, "request_timeout_s must be"),
+                                              ({"request_timeout_s": float("inf")}, "request_timeout_s must be")])
+def test_serving_settings_are_checked(tmp_path: Path, settings: dict, message: str) -> None:
     (tmp_path / "model.json").write_text(json.dumps(settings))
     with pytest.raises(ValueError, match=message):
         load_settings(tmp_path)
+
+
+def test_a_cancel_is_seen_within_the_documented_bound_with_64_streams(engine: LLMEngine) -> None:
+    """is_cancelled() is budgeted (CANCEL_CHECKS_PER_S round robin, each request at most every
+    CANCEL_MIN_INTERVAL_S): with N streams a cancel is seen within max(0.1 s, N / 50 s), 1.28 s at 64, plus a
+    sweep and a step. Each poll here costs 0.75 ms, as a round trip to tritonserver does."""
+    from tritium.backend.serving.engine_loop import CANCEL_CHECKS_PER_S, CANCEL_MIN_INTERVAL_S
+
+    class PolledSink(SlowSink):
+        def is_cancelled(self) -> bool:
+            time.sleep(0.00075)
+            return self.cancelled
+
+    n = 64
+    sinks = [PolledSink(0.0) for _ in range(n)]
+    loop = EngineLoop(engine)
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    jobs = [Job(request_id=f"c{i}", params=params, sink=sink, prompt="Once upon a time") for i, sink in
+            enumerate(sinks)]
+    latencies = []
+    loop.start()
+    try:
+        for j in jobs:
+            loop.submit(j)
+        assert all(wait_for(lambda s=s: bool(s.outputs), 60, 0.01) for s in sinks)
+        for sink in sinks[::13]:  # five of them, one after another
+            cancelled_at = time.monotonic()
+            sink.cancelled = True
+            assert sink.done.wait(10)
+            latencies.append(sink.done_at - cancelled_at)
+            assert sink.outputs[-1].finish_reason == "abort"
+    finally:
+        loop.stop()
+    bound = max(CANCEL_MIN_INTERVAL_S, n / CANCEL_CHECKS_PER_S)
+    print(f"cancel seen after (s), 64 streams: {', '.join(f'{t:.2f}' for t in latencies)}; bound {bound:.2f}")
+    assert max(latencies) < bound + 0.5, latencies
+

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serve_helpers import wait_for
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend import sampler as sampler_module
 from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
 from tritium.backend.fault_injection import FaultInjector
+from tritium.backend.sampling_params import SAMPLING_FIELDS
 from tritium.backend.serving.engine_loop import EngineLoop, ErrorKind, Job
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -132,14 +134,24 @@ TOKEN_IDS = st.lists(st.one_of(st.integers(-5, VOCAB + 5), st.integers(-(2**70),
 EXTREME_FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
     [0.0, 1e-45, 1e-30, 1e-5, 0.01, 1.0, 2.0, 100.0, 1e30, 1e300, -1e-45]), st.integers(-(2**70), 2**70))
 EXTREME_INTS = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70), st.sampled_from([VOCAB, 10**12]))
-FIELDS = st.fixed_dictionaries({}, optional={
+VARIED = {
     "max_tokens": st.integers(1, 12), "min_tokens": st.integers(0, 12), "temperature": EXTREME_FLOATS,
     "top_p": EXTREME_FLOATS, "top_k": EXTREME_INTS, "min_p": EXTREME_FLOATS, "repetition_penalty": EXTREME_FLOATS,
     "presence_penalty": EXTREME_FLOATS, "frequency_penalty": EXTREME_FLOATS, "seed": EXTREME_INTS,
     "stop": st.lists(st.text(min_size=0, max_size=4), max_size=3), "stop_token_ids": TOKEN_IDS,
     "include_stop_str_in_output": st.booleans(), "ignore_eos": st.booleans(),
     "logprobs": st.one_of(st.none(), EXTREME_INTS), "skip_special_tokens": st.booleans(),
-})
+    "structured_output": st.one_of(st.none(), st.sampled_from([
+        {"choice": ["yes", "no"]}, {"regex": "[0-9]{1,4}"}, {"json_object": True}, {"regex": "a"},
+        {"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+        {"json": {"not": {}}}, {"regex": "("}, {"grammar": "start: start"}, {"choice": []}, "{not json",
+    ]), st.text(max_size=8), st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)),
+}
+FIELDS = st.fixed_dictionaries({}, optional=VARIED)
+
+
+def test_the_strategy_varies_every_sampling_field() -> None:
+    assert set(VARIED) == set(SAMPLING_FIELDS)  # a new field joins the test below, or this fails
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -170,24 +182,31 @@ class RecordingSink:
         self.errors: list[tuple[str, ErrorKind]] = []
         self.done = threading.Event()
         self.fail_on_output = fail_on_output
+        self.first_at = self.done_at = math.inf  # when the first and the final response came (monotonic)
 
     def send_output(self, output: RequestOutput) -> None:
         if self.fail_on_output:
             raise RuntimeError("cannot format this one")
         self.outputs.append(output)
+        self.first_at = min(self.first_at, time.monotonic())
         if output.finished:
+            self.done_at = time.monotonic()
             self.done.set()
 
     def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
         self.errors.append((message, kind))
+        self.first_at = min(self.first_at, time.monotonic())
+        self.done_at = time.monotonic()
         self.done.set()
 
     def is_cancelled(self) -> bool:
         return False
 
 
-def job(rid: str, prompt: str, params: SamplingParams = GREEDY, **kwargs: Any) -> Job:
-    return Job(request_id=rid, params=params, sink=RecordingSink(**kwargs), prompt=prompt)
+def job(rid: str, prompt: str, params: SamplingParams = GREEDY, prompt_token_ids: list[int] | None = None,
+        **kwargs: Any) -> Job:
+    return Job(request_id=rid, params=params, sink=RecordingSink(**kwargs), prompt=prompt,
+               prompt_token_ids=prompt_token_ids)
 
 
 @pytest.fixture
@@ -270,3 +289,107 @@ def test_a_failed_engine_loop_answers_everything_at_once(tiny_llama_path: Path) 
     for j in (running, poison, late):
         (message, kind), = j.sink.errors
         assert kind is ErrorKind.UNAVAILABLE and "the engine stopped after an internal error" in message
+
+
+class RecordedMetric:
+    """One metric of the python backend's `MetricFamily` (which exists only inside Triton's stub process):
+    what was set, in order."""
+
+    def __init__(self, name: str, log: list[tuple[str, float]]) -> None:
+        self.name, self.log = name, log
+
+    def set(self, value: float) -> None:
+        self.log.append((self.name, value))
+
+    def increment(self, value: float) -> None: ...
+
+    def observe(self, value: float) -> None: ...
+
+
+class RecordingPbUtils:
+    """The part of `triton_python_backend_utils` that EngineMetrics uses, recording every gauge set."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, float]] = []
+        log = self.log
+
+        class MetricFamily:
+            HISTOGRAM, COUNTER, GAUGE = "histogram", "counter", "gauge"
+
+            def __init__(self, name: str, description: str, kind: str) -> None:
+                self.name = name
+
+            def Metric(self, labels: dict[str, str], **kwargs: Any) -> RecordedMetric:
+                return RecordedMetric(self.name, log)
+
+        self.MetricFamily = MetricFamily
+
+
+def test_after_an_engine_failure_every_request_is_answered_within_a_second_and_the_gauges_stay_zero(
+        tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tritium.backend.serving.metrics import FLUSH_INTERVAL_S, EngineMetrics
+
+    engine = LLM(str(tiny_llama_path), kv_cache_bytes=16 << 20, max_num_seqs=2).engine
+    engine.faults = FaultInjector(None, loop_marker="<<die>>")
+    release = threading.Event()
+    real_tokenize, real_compile = engine.tokenize, engine.grammars.submit
+    # Stalls that hold a request in the tokenizer thread and another in a compile when the engine fails.
+    monkeypatch.setattr(engine, "tokenize", lambda p: (release.wait(30), real_tokenize(p))[1] if "stall" in p
+                        else real_tokenize(p))
+    monkeypatch.setattr(engine.grammars, "submit", lambda spec, done: threading.Thread(
+        target=lambda: (release.wait(30), real_compile(spec, done)), daemon=True).start())
+    pb = RecordingPbUtils()
+    loop = EngineLoop(engine, observer=EngineMetrics(pb, "tritium", "1", engine))
+    loop.start()
+    long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+    try:
+        running = [job(f"run{i}", "Once upon a time", long) for i in range(2)]
+        queued = job("queued", "Queued behind them", long)
+        for j in (*running, queued):
+            loop.submit(j)
+        assert wait_for(lambda: all(j.sink.outputs for j in running), 30, 0.01), "the long requests never started"
+        compiling = job("compiling", "Yes or no?", SamplingParams(max_tokens=4, structured_output={"choice": ["y"]}))
+        loop.submit(compiling)
+        stalled = job("tokenizing", "stall here")
+        loop.submit(stalled)
+        assert wait_for(lambda: loop._tokenizing is stalled and loop._compiling, 10, 0.01)
+        assert wait_for(lambda: ("tritium_num_requests_running", 2) in pb.log, 10, 0.01)
+        poison = job("poison", "<<die>> now", prompt_token_ids=[1, 2, 3])  # past the stalled tokenizer thread
+        loop.submit(poison)
+        everyone = [*running, queued, compiling, stalled, poison]
+        started = time.monotonic()
+        assert wait_for(lambda: all(j.sink.done.is_set() for j in everyone), 5, 0.01)
+        assert time.monotonic() - started < 1.0, "a request waited over a second for its answer"
+        failed_at = len(pb.log)
+        release.set()  # the stalled tokenize and compile finish now: their requests were answered already
+        time.sleep(4 * FLUSH_INTERVAL_S)
+        loop._observe(loop.observer.on_step, engine, time.monotonic(), True, 3)
+    finally:
+        release.set()
+        loop.stop()
+    for j in everyone:
+        assert len(j.sink.errors) == 1 and not any(o.finished for o in j.sink.outputs), j.request_id
+        assert j.sink.errors[0][1] is ErrorKind.UNAVAILABLE, j.sink.errors
+    # From the failure on, running and waiting are 0, however often the response thread pushes (it did, above).
+    assert pb.log.index(("tritium_engine_healthy", 0)) < failed_at < len(pb.log)
+    assert all(value == 0 for name, value in pb.log[pb.log.index(("tritium_engine_healthy", 0)):]
+               if name in ("tritium_num_requests_running", "tritium_num_requests_waiting")), pb.log[-12:]
+
+
+
+def test_a_slow_compile_holds_up_no_other_request(loop_engine: LLMEngine) -> None:
+    schema = {"type": "object", "properties": {f"slow_{i}": {"type": "string"} for i in range(3000)}}
+    loop = EngineLoop(loop_engine)
+    loop.start()
+    try:
+        slow = job("slow", "Fill the form", SamplingParams(max_tokens=2, structured_output={"json": schema}))
+        plain = job("plain", "Once upon a time")
+        loop.submit(slow)
+        loop.submit(plain)
+        assert plain.sink.done.wait(60) and slow.sink.done.wait(60)
+    finally:
+        loop.stop()
+    assert not plain.sink.errors and plain.sink.outputs[-1].finish_reason == "length"
+    # (llguidance gives up on so many optional keys once decoding starts: an error for that request alone)
+    assert len(slow.sink.errors) + sum(o.finished for o in slow.sink.outputs) == 1
+    assert plain.sink.done_at < slow.sink.first_at  # the plain one finished before the schema compiled

@@ -1,4 +1,6 @@
-"""Schemathesis against `tritium openai` in front of a real tritonserver: no generated request may get a 5xx.
+"""Schemathesis against `tritium openai` in front of a real tritonserver: no generated request may get a 5xx,
+on any route of its OpenAPI schema, with strings that hold lone surrogates and control characters (a hook
+adds them to the generated bodies: hypothesis leaves surrogates out of its text).
 
 The tritonserver serves a tiny random Llama (256-token context), so the requests that pass validation
 generate quickly on a CPU.
@@ -7,6 +9,7 @@ generate quickly on a CPU.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +33,32 @@ values = ["tritium"]
 [parameters]
 "body.model" = { dictionary = "models", probability = 0.9 }
 """
+# Loaded by schemathesis ($SCHEMATHESIS_HOOKS): about a third of the strings in each body get a lone surrogate,
+# a NUL, an escape sequence or a line separator (JSON carries them escaped, as a client may send them).
+ODD_STRINGS_HOOK = """
+import json
+import random
+
+import schemathesis
+
+ODD = ["\\ud800", "\\x00", "\\x1b[31m", "\\udfff\\ud83d", "\\u0085\\u2028", "\\x7f\\x08"]
+
+
+def oddify(value, rng):
+    if isinstance(value, str):
+        return value + rng.choice(ODD) if rng.random() < 0.35 else value
+    if isinstance(value, list):
+        return [oddify(v, rng) for v in value]
+    if isinstance(value, dict):
+        return {k: oddify(v, rng) for k, v in value.items()}
+    return value
+
+
+@schemathesis.hook
+def map_body(context, body):
+    rng = random.Random(json.dumps(body, sort_keys=True, default=str))
+    return oddify(body, rng)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +79,17 @@ def test_no_generated_request_gets_a_server_error(tiny_triton: Served, tiny_llam
     try:
         config = tmp_path / "schemathesis.toml"
         config.write_text(SCHEMATHESIS_CONFIG)
+        hooks = tmp_path / "odd_strings.py"
+        hooks.write_text(ODD_STRINGS_HOOK)
+        routes = requests.get(base.removesuffix("/v1") + "/openapi.json", timeout=10).json()["paths"]
+        assert {"/tokenize", "/detokenize", "/v1/completions/render", "/v1/chat/completions/render", "/health",
+                "/get_load", "/model_info", "/metrics", "/v1/chat/completions", "/v1/completions"} <= set(routes)
         cmd = [sys.executable, "-m", "schemathesis.cli", f"--config-file={config}", "run",
                base.removesuffix("/v1") + "/openapi.json", "--checks=not_a_server_error",
                f"--header=Authorization: Bearer {KEY}", "--max-examples=100", "--seed=1",
                "--generation-database=none", "--request-timeout=120", "--no-color"]
-        result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        env = dict(os.environ, SCHEMATHESIS_HOOKS=str(hooks))
+        result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         body = {"model": "tritium", "prompt": "Hello", "max_tokens": 2}
         resp = requests.post(base + "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)

@@ -138,9 +138,12 @@ def test_a_replica_that_refuses_as_overloaded_is_skipped_not_marked_down(
         prompt = next(p for k in range(100) if prefix_score((p := f"Tale {k}: {PROMPT}")[:256], narrow.grpc)
                       > prefix_score(p[:256], other.grpc))
         before = metric_value(other, "tritium_prompt_tokens_total")
+        refused = metric_value(narrow, "tritium_num_requests_refused_total")
         resp = requests.post(f"{both}/completions", json=SHORT | {"prompt": prompt}, timeout=60)
         assert resp.status_code == 200, resp.text
         assert wait_for(lambda: metric_value(other, "tritium_prompt_tokens_total") > before, 5)
+        # ... and the full one was tried first: it refused this request.
+        assert wait_for(lambda: metric_value(narrow, "tritium_num_requests_refused_total") == refused + 1, 5)
         assert requests.get(both.removesuffix("/v1") + "/health", timeout=10).json()["healthy_replicas"] == 2
     finally:
         holder.close()

@@ -141,7 +141,12 @@ def test_a_tool_round_trip_ends_in_an_answer(client: openai.OpenAI) -> None:
     assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
     auto = client.chat.completions.create(model="tritium", messages=messages, tools=TOOLS, max_tokens=48,
                                           temperature=0)
-    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    choice = auto.choices[0]
+    # The reason says what happened: calls parsed <-> "tool_calls"; "length" <-> max_tokens spent; else "stop".
+    assert (choice.finish_reason == "tool_calls") == bool(choice.message.tool_calls), choice
+    assert (choice.finish_reason == "length") == (auto.usage.completion_tokens == 48), (choice, auto.usage)
+    if choice.finish_reason != "tool_calls":
+        assert choice.message.content, choice
 
 
 # --- `auto` with a checkpoint whose template takes tools (Hermes format) ------------------------------------------

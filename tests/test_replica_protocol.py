@@ -5,6 +5,7 @@ moving under load, and the extra fields routers add to requests."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from serve_helpers import Served, metric_value, raw_http_request, start_openai_w
 
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client.replica_load import EngineLoad, engine_load, parse_samples
+from tritium.client.router import prefix_score
 from tritium.client.triton_server import PACKAGE_REPOSITORY
 
 pytestmark = pytest.mark.slow
@@ -37,7 +39,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def base(replica: Served) -> Iterator[str]:
     """The endpoint's root URL (not /v1)."""
-    proc, url = start_openai_with([replica.grpc], f"--upstream-metrics={replica.metrics}")
+    proc, url = start_openai_with([replica.grpc], f"--upstream-metrics={replica.metrics}", "--expose-model-path")
     yield url.removesuffix("/v1")
     proc.terminate()
     proc.wait(10)
@@ -81,6 +83,26 @@ def test_metrics_show_vllm_gauges_that_rise_under_load_and_return_to_zero(base: 
     assert requests.get(f"{base}/get_load", timeout=5).json()["load"] == 0
 
 
+def test_without_the_engines_metrics_the_endpoint_counts_its_own_requests(replica: Served) -> None:
+    """An upstream on other ports than 8001/8002 and no --upstream-metrics: the load is the endpoint's own
+    requests there (streaming ones run, the others wait); KV usage cannot be known and is left out."""
+    proc, url = start_openai_with([replica.grpc])
+    blind = url.removesuffix("/v1")
+    streams = [raw_http_request(url, "/v1/completions", LONG) for _ in range(SEATS + 4)]
+    try:
+        assert wait_for(lambda: (g := gauges(blind)).get("vllm:num_requests_running") == SEATS
+                        and g.get("vllm:num_requests_waiting") == 4, 60), gauges(blind)
+        assert "vllm:kv_cache_usage_perc" not in gauges(blind)
+        load = requests.get(f"{blind}/get_load", timeout=5).json()
+        assert (load["load"], load["num_requests_running"], load["num_requests_waiting"]) == (SEATS + 4, SEATS, 4)
+        assert "kv_cache_usage_perc" not in load, load
+    finally:
+        for conn in streams:
+            conn.close()
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_tokenize_and_detokenize_in_vllm_shapes(base: str, tok: Tokenizer) -> None:
     resp = requests.post(f"{base}/tokenize", json={"model": "tritium", "prompt": PROMPT, "return_token_strs": True},
                          timeout=10)
@@ -97,6 +119,26 @@ def test_tokenize_and_detokenize_in_vllm_shapes(base: str, tok: Tokenizer) -> No
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     other = requests.post(f"{base}/tokenize", json={"model": "gpt-4", "prompt": "x"}, timeout=10)
     assert other.status_code == 404
+    hi = [{"role": "user", "content": "Hi"}]
+    bare = requests.post(f"{base}/tokenize", json={"messages": hi, "add_generation_prompt": False}, timeout=10).json()
+    assert bare["tokens"] == tok.encode(tok.apply_chat_template(hi, add_generation_prompt=False),
+                                        add_special_tokens=False)
+    assert bare["count"] < chat["count"]
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "tools": [TOOL, TOOL]}, "tools"),
+])
+def test_tokenize_answers_bad_input_with_400_naming_the_field(base: str, body: dict, param: str) -> None:
+    resp = requests.post(f"{base}/tokenize", data=json.dumps(body), headers={"Content-Type": "application/json"},
+                         timeout=10)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
 
 
 def test_render_gives_the_engine_request_without_generating(base: str, tok: Tokenizer, replica: Served) -> None:
@@ -167,8 +209,8 @@ def test_engine_load_sums_versions_and_reads_health() -> None:
     assert not engine_load(text.replace('version="2"} 1', 'version="2"} 0'), "tritium").healthy
 
 
-def test_router_counts_requests_other_clients_sent_and_drops_a_failed_engine() -> None:
-    from tritium.client.router import EXTERNAL_REQUEST_TOKENS, Replica, Router, default_metrics_url
+def test_router_counts_requests_other_clients_sent() -> None:
+    from tritium.client.router import AFFINITY_SLACK, EXTERNAL_REQUEST_TOKENS, Replica, Router, default_metrics_url
 
     router = Router(["a:8001", "b:8001"], metrics_urls=["http://a:8002/metrics", "http://b:8002/metrics"])
     a, b = router.replicas
@@ -176,8 +218,16 @@ def test_router_counts_requests_other_clients_sent_and_drops_a_failed_engine() -
     a.load = EngineLoad(running=1, engines=1, healthy=True)  # only our own request
     b.load = EngineLoad(running=4, waiting=3, engines=1, healthy=True)  # seven requests from elsewhere
     assert a.busy_tokens == 100 and b.busy_tokens == 7 * EXTERNAL_REQUEST_TOKENS
-    assert router.pick("x" * 10, exclude={"nothing"}) in (a, b)
-    assert min(router.replicas, key=lambda r: r.busy_tokens) is a
+    # A prompt whose prefix prefers b goes there while b is within the slack of the least busy ...
+    prompt = next(p for i in range(100) if prefix_score((p := f"prompt {i}")[:256], "b:8001")
+                  > prefix_score(p[:256], "a:8001"))
+    assert router.pick(prompt) is b
+    # ... and to a once the requests b's engine reports from elsewhere put it beyond the slack.
+    b.load = EngineLoad(running=40, waiting=30, engines=1, healthy=True)
+    assert b.busy_tokens - a.busy_tokens > AFFINITY_SLACK and router.pick(prompt) is a
+    assert router.pick(prompt, exclude={"a:8001"}) is b
+    b.healthy = False
+    assert router.pick(prompt, exclude={"a:8001"}) is None
     assert Replica("c", None).busy_tokens == 0  # no metrics: only what this router sent
     assert default_metrics_url("10.0.0.5:8001") == "http://10.0.0.5:8002/metrics"
     assert default_metrics_url("10.0.0.5:9101") is None
@@ -195,4 +245,5 @@ def test_passed_through_metrics_name_replicas_by_index_not_address() -> None:
     two = upstream_tritium_metrics([page, None, page])
     assert two.count("# TYPE tritium_num_requests_running gauge") == 1
     assert 'tritium_num_requests_running{upstream="0",model="tritium",version="1"} 2' in two
-    assert 'upstream="2"' in two and "127.0.0.1" not in two
+    assert 'upstream="2"' in two
+    assert set(re.findall(r'upstream="([^"]*)"', two)) == {"0", "2"}  # an index, never an address

@@ -126,7 +126,7 @@ def start_replica(repo: Path, tokenizer: Path) -> Replica:
     served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
     try:
         endpoint, url = start_openai_with([served.grpc], f"--upstream-metrics={served.metrics}",
-                                          f"--tokenizer={tokenizer}")
+                                          f"--tokenizer={tokenizer}", "--expose-model-path")  # sglang-router
     except BaseException:
         served.stop()
         raise

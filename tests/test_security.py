@@ -5,6 +5,9 @@ on loopback only."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -186,12 +189,35 @@ def test_health_and_metrics_are_open(keyed: Served) -> None:
     assert "tritium_kv_cache_used_blocks" in requests.get(keyed.metrics, timeout=10).text
 
 
+KEYED_ROUTES = [("GET", "/v1/models", None),
+                ("POST", "/v1/completions", {"model": "tritium", "prompt": "Hi", "max_tokens": 1}),
+                ("POST", "/v1/chat/completions",
+                 {"model": "tritium", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+                ("POST", "/tokenize", {"prompt": "Hi"}),
+                ("POST", "/detokenize", {"tokens": [1, 2]}),
+                ("POST", "/v1/completions/render", {"model": "tritium", "prompt": "Hi"}),
+                ("POST", "/v1/chat/completions/render",
+                 {"model": "tritium", "messages": [{"role": "user", "content": "Hi"}]})]
+OPEN_ROUTES = ["/health", "/model_info", "/server_info", "/get_load", "/metrics"]
+
+
 def test_openai_endpoint_needs_the_key_and_forwards_it(keyed: Served) -> None:
     proc, base = start_openai([keyed.grpc], api_key=KEY)
+    root = base.removesuffix("/v1")
     try:
-        for path in ("/models", "/completions", "/chat/completions"):
-            method = "GET" if path == "/models" else "POST"
-            assert requests.request(method, base + path, json={}, timeout=10).status_code == 401
+        for method, path, body in KEYED_ROUTES:
+            for headers in ({}, {"Authorization": f"Bearer {ADMIN_KEY}"}, {"Authorization": f"Bearer {KEY.upper()}"},
+                            {"Authorization": KEY}, {"x-api-key": KEY}):
+                resp = requests.request(method, root + path, json=body, headers=headers, timeout=10)
+                assert resp.status_code == 401, (path, headers, resp.status_code)
+            resp = requests.request(method, root + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                                    timeout=60)
+            assert resp.status_code == 200, (path, resp.status_code, resp.text[:200])
+        for path in OPEN_ROUTES:
+            resp = requests.get(root + path, timeout=10)
+            assert resp.status_code == 200, (path, resp.status_code)
+            if path.endswith("_info"):  # no filesystem path unless --expose-model-path
+                assert "/" not in resp.text, resp.text
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
         out = client.completions.create(model="tritium", prompt="Hello", max_tokens=3)
         assert out.choices[0].finish_reason in ("length", "stop")  # Triton accepted the forwarded key
@@ -219,3 +245,23 @@ def test_servers_listen_on_loopback_only(keyed: Served) -> None:
         port = int(url.removeprefix("http://").split(":")[1].split("/")[0])
         addresses = listening_addresses(port)
         assert addresses and addresses <= LOOPBACK, f"{url}: {addresses}"
+
+
+@pytest.mark.parametrize("command", [["serve", "--host=0.0.0.0"], ["openai", "--host=0.0.0.0", "--upstream=x:8001"],
+                                     ["serve", "--host=::"], ["openai", "--host=10.1.2.3", "--upstream=x:8001"]])
+def test_a_non_loopback_address_without_keys_is_refused(command: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITIUM_API_KEY", "TRITIUM_ADMIN_KEY")}
+    out = subprocess.run([sys.executable, "-m", "tritium.client.cli", *command], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--unsafe-no-auth" in out.stderr and "without keys" in out.stderr, out
+
+
+def test_the_bind_policy_knows_loopback_and_the_unsafe_flag() -> None:
+    from tritium.client.bind_policy import is_loopback, open_bind_refusal
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.com", ""))
+    assert open_bind_refusal("0.0.0.0", keyed=False, unsafe=False) is not None
+    assert open_bind_refusal("0.0.0.0", keyed=True, unsafe=False) is None
+    assert open_bind_refusal("0.0.0.0", keyed=False, unsafe=True) is None
+    assert open_bind_refusal("127.0.0.1", keyed=False, unsafe=False) is None

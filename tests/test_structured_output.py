@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
+from serve_helpers import wait_for
 
-from tritium.backend.grammar_compiler import GrammarCompiler
+from tritium.backend.grammar_compiler import GrammarCompiler, estimated_bytes
 from tritium.backend.llm import LLM
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.serving.request import parse_text_request
@@ -83,9 +85,12 @@ def compiler(default_model_path: Path) -> GrammarCompiler:
 ])
 def test_what_cannot_be_enforced_is_refused_naming_it(compiler: GrammarCompiler, value: dict, words: str) -> None:
     spec = StructuredOutput.from_value(value)
-    for _ in range(2):  # the verdict is cached: the second refusal compiles nothing
-        with pytest.raises(ValueError, match=re.escape(words)):
-            compiler.compile(spec)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        compiler.compile(spec)
+    compiled, hits = compiler.stats.compiled, compiler.stats.cache_hits
+    with pytest.raises(ValueError, match=re.escape(words)):  # the verdict is cached: this compiles nothing
+        compiler.compile(spec)
+    assert (compiler.stats.compiled, compiler.stats.cache_hits) == (compiled, hits + 1)
 
 
 def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(compiler: GrammarCompiler) -> None:
@@ -99,11 +104,67 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(comp
     assert second.compute_ff_tokens() == forced  # the other copy has not moved
 
 
-def test_a_compile_over_the_time_limit_is_refused(default_model_path: Path) -> None:
-    slow = GrammarCompiler(Tokenizer(default_model_path), eos_token_ids=[2], timeout_s=1e-9)
+def wide_schema(n: int, tag: str = "") -> dict:
+    """A JSON schema of `n` optional string properties: slow to compile (~0.3 s per 1000 on this CPU) and
+    large in memory."""
+    return {"type": "object", "properties": {f"field_{tag}{i}": {"type": "string"} for i in range(n)}}
+
+
+def test_a_compile_over_the_time_limit_is_refused_and_not_cached(default_model_path: Path) -> None:
+    slow = GrammarCompiler(Tokenizer(default_model_path), eos_token_ids=[2], timeout_s=0.02)
     slow.ll_tokenizer  # noqa: B018  (built outside the limit, as a running engine has it)
-    with pytest.raises(ValueError, match="did not compile within"):
-        slow.compile(StructuredOutput.from_value({"json": PERSON}))
+    spec = StructuredOutput.from_value({"json": wide_schema(3000)})
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"structured_output.json did not compile within 0.02 s"):
+        slow.compile(spec)
+    assert time.monotonic() - started < 0.5  # refused at the limit, not when the compile ended
+    assert slow.stats.timeouts == 1
+    # The compile goes on; once it ends its matcher is cached: the time limit was no verdict on the schema.
+    assert wait_for(lambda: len(slow) == 1, 30, 0.01)
+    slow.timeout_s = 30
+    assert slow.compile(spec) is not None and slow.stats.compiled == 1
+
+
+def test_the_cache_is_bounded_by_bytes(default_model_path: Path) -> None:
+    specs = [StructuredOutput.from_value({"json": wide_schema(40, tag=str(i))}) for i in range(6)]
+    bound = 3 * estimated_bytes(specs[0]) + 1000
+    cache = GrammarCompiler(Tokenizer(default_model_path), eos_token_ids=[2], cache_bytes=bound)
+    for spec in specs:
+        cache.compile(spec)
+        assert cache.cached_bytes <= bound
+    assert len(cache) == 3 and cache.stats.evictions == 3
+    cache.compile(specs[-1])  # the newest are kept
+    assert cache.stats.compiled == 6
+    cache.compile(specs[0])  # the oldest went
+    assert cache.stats.compiled == 7
+    huge = GrammarCompiler(Tokenizer(default_model_path), eos_token_ids=[2], cache_bytes=1000)
+    huge.compile(specs[0])  # bigger than the whole cache: served, not kept
+    assert len(huge) == 0
+
+
+def test_a_constraint_over_the_size_limit_is_refused_naming_it(make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(None, kv_cache_bytes=16 << 20, max_model_len=256, max_structured_output_bytes=2048)
+    big = SamplingParams(structured_output={"json": wide_schema(200)})
+    with pytest.raises(ValueError, match=r"structured_output.json is \d+ bytes; this engine takes at most 2048 "
+                                         r"\(max_structured_output_bytes\)"):
+        llm.generate("x", big)
+    assert llm.generate("x", SamplingParams(max_tokens=2, structured_output={"regex": "[a-z]+"}))[0].text
+
+
+def test_requests_wait_for_no_compile_but_their_own(default_model_path: Path) -> None:
+    """A slow compile holds up neither an unconstrained request nor a cached constraint behind it."""
+    compiler = GrammarCompiler(Tokenizer(default_model_path), eos_token_ids=[2])
+    cached = StructuredOutput.from_value({"regex": "[0-9]+"})
+    compiler.compile(cached)
+    slow = [StructuredOutput.from_value({"json": wide_schema(2500, tag=f"s{i}")}) for i in range(3)]
+    answered: dict[str, float] = {}
+    started = time.monotonic()
+    for i, spec in enumerate(slow):
+        compiler.submit(spec, lambda m, e, i=i: answered.setdefault(f"slow{i}", time.monotonic() - started))
+    compiler.submit(cached, lambda m, e: answered.setdefault("cached", time.monotonic() - started))
+    assert answered["cached"] < 0.05
+    assert wait_for(lambda: len(answered) == 4, 60, 0.01)
+    assert min(answered[f"slow{i}"] for i in range(3)) > 10 * answered["cached"]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +213,7 @@ def test_a_row_whose_grammar_allows_no_token_ends_with_an_error_alone(llm: LLM) 
     bad, good = _generate(llm, ["Say x", "Hello"], [trapped, plain])
     assert bad.finish_reason == "error" and "structured_output grammar" in (bad.error or "")
     assert good.token_ids == solo.token_ids
+
 
 
 def test_an_unenforceable_constraint_is_refused_before_anything_is_queued(make_llm: Callable[..., LLM]) -> None:

@@ -153,6 +153,11 @@ HERMES_CASES = [
      "</tool_call>", []),
     ('Cut <tool_call>{"name": "get_weather", "argu', 'Cut <tool_call>{"name": "get_weather", "argu', []),
     ('<tool_call>{"name": "ping", "arguments": {}}</tool_call> and text after', "and text after", [("ping", "{}")]),
+    # The text around a call is content, separated by the whitespace before the call (else after it).
+    ('a <tool_call>{"name": "f", "arguments": {}}</tool_call> b', "a b", [("f", "{}")]),
+    ('a<tool_call>{"name": "f", "arguments": {}}</tool_call>\nb', "a\nb", [("f", "{}")]),
+    ('a\n<tool_call>{"name": "f", "arguments": {}}</tool_call> <tool_call>{"name": "g", "arguments": {}}'
+     '</tool_call>\n\nb c  ', "a\nb c", [("f", "{}"), ("g", "{}")]),
 ]
 
 

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
@@ -52,6 +52,10 @@ class ErrorKind(enum.Enum):
     INTERNAL = "internal"  # failed while generating: INTERNAL
     # Triton's HTTP generate endpoints answer every model error with 400, and a gRPC stream carries only the
     # message: the code reaches gRPC unary-style clients only.
+
+
+ENGINE_FAILED = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
+                 ErrorKind.UNAVAILABLE)
 
 
 class ResponseSink(Protocol):
@@ -94,6 +98,7 @@ class Job:
     first_token_at: float | None = None
     last_token_at: float | None = None
     next_cancel_check: float = 0.0
+    matcher: Any = None  # its structured output's compiled matcher (llguidance), once compiled
     num_responses: int = 0  # responses sent (the response thread's)
     closed: bool = False  # its final response (or error) went out: nothing more is sent
 
@@ -127,7 +132,8 @@ class EngineLoop:
         self.pacer = StreamPacer(stream_interval, max_stream_interval)  # tokens per streamed response
         self.failed = False
         self._to_tokenize: deque[Job] = deque()
-        self._tokenizing = 0
+        self._tokenizing: Job | None = None  # the job the tokenizer thread holds
+        self._compiling: set[Job] = set()  # jobs whose structured output is being compiled
         self._queue: deque[Job] = deque()
         self._admitting: deque[Job] = deque()  # taken from the queue by the engine thread, not yet admitted
         self._active: dict[str, Job] = {}  # in the engine (the engine thread's)
@@ -139,6 +145,7 @@ class EngineLoop:
         self._engine_done = False
         self._to_abort: set[str] = set()
         self._watched: dict[str, Job] = {}  # jobs whose cancellation the response thread polls
+        self._fail_lock = threading.Lock()
         self._trim_heap = heap_trimmer()
         self._thread = threading.Thread(target=self._run, name="tritium-engine", daemon=True)
         self._tokenizer_thread = threading.Thread(target=self._tokenize_loop, name="tritium-tokenize", daemon=True)
@@ -153,32 +160,27 @@ class EngineLoop:
     @property
     def num_pending(self) -> int:
         """Requests accepted that will not find a seat (`max_num_seqs`) at the next step: all that are being
-        tokenized, queued, admitted or in the engine, less the seats."""
-        accepted = len(self._to_tokenize) + self._tokenizing + len(self._queue) + len(self._admitting)
-        return max(0, accepted + len(self._active) - self.engine.config.max_num_seqs)
+        tokenized, compiled, queued, admitted or in the engine, less the seats."""
+        return max(0, self.num_queued + len(self._active) - self.engine.config.max_num_seqs)
 
     @property
     def num_queued(self) -> int:
-        """Requests accepted but not in the engine yet (being tokenized, queued or being admitted); read
-        without the lock, so a moment's count."""
-        return len(self._to_tokenize) + self._tokenizing + len(self._queue) + len(self._admitting)
+        """Requests accepted but not in the engine yet (being tokenized or compiled, queued or being
+        admitted); read without the lock, so a moment's count."""
+        return (len(self._to_tokenize) + (self._tokenizing is not None) + len(self._compiling) + len(self._queue)
+                + len(self._admitting))
 
     def submit(self, job: Job) -> None:
         """Accept a job (any thread), or answer it at once with an error: the engine failed, the model is
         shutting down, or `max_pending_requests` requests already wait (overloaded)."""
-        refusal: tuple[str, ErrorKind] | None = None
         with self._cond:
-            if self.failed:
-                refusal = ("the engine stopped after an internal error; this model is not serving until it "
-                           "is reloaded", ErrorKind.UNAVAILABLE)
-            elif self._stopping:
-                refusal = ("the model is shutting down", ErrorKind.UNAVAILABLE)
-            elif self.num_pending >= self.max_pending_requests:
+            refusal = self._refusal()
+            if refusal is None and self.num_pending >= self.max_pending_requests:
                 refusal = (f"overloaded: {self.num_pending} requests are already waiting (max_pending_requests "
                            f"{self.max_pending_requests}); retry later", ErrorKind.OVERLOADED)
-            elif job.prompt_token_ids is None or job.params.structured_output is not None:
+            elif refusal is None and (job.prompt_token_ids is None or job.params.structured_output is not None):
                 self._to_tokenize.append(job)
-            else:
+            elif refusal is None:
                 self._queue.append(job)
             self._cond.notify_all()
         if refusal is not None:
@@ -201,10 +203,15 @@ class EngineLoop:
             self._fail(job, "the model is shutting down", ErrorKind.UNAVAILABLE)
 
     def _take_waiting(self) -> list[Job]:
-        """The jobs not in the engine yet (being tokenized, queued, being admitted), taken out of the loop."""
+        """The jobs not in the engine yet (being tokenized or compiled, queued, being admitted), taken out of
+        the loop. A job the tokenizer thread or a compile still holds is answered here all the same: whatever
+        those threads do with it later finds it closed."""
         with self._cond:
-            jobs = [*self._to_tokenize, *self._queue, *self._admitting]
+            jobs = [*self._to_tokenize, *self._compiling, *self._queue, *self._admitting]
+            if self._tokenizing is not None:
+                jobs.append(self._tokenizing)
             self._to_tokenize.clear()
+            self._compiling.clear()
             self._queue.clear()
             self._admitting.clear()
         return jobs
@@ -231,24 +238,58 @@ class EngineLoop:
                 if self._stopping or self.failed:
                     return
                 job = self._to_tokenize.popleft()
-                self._tokenizing = 1
+                self._tokenizing = job
+            compile_it = False
             try:
                 ids = job.prompt_token_ids
                 if ids is None:
                     ids = self.engine.tokenize(job.prompt or "")
                 self.engine.check_request(ids, job.params)  # a hopeless prompt never reaches the engine thread
-                self.engine.check_structured_output(job.params)  # compiled here, not on the engine thread
                 job.prompt_token_ids = ids
+                compile_it = job.params.structured_output is not None
             except ValueError as exc:
                 self._fail(job, f"invalid request: {exc}", ErrorKind.INVALID)
             except Exception:
                 logger.exception("tokenizing request %s failed", job.request_id)
                 self._fail(job, "internal error while tokenizing the prompt", ErrorKind.INTERNAL)
             with self._cond:
-                self._tokenizing = 0
-                if job.prompt_token_ids is not None:
-                    self._queue.append(job)
-                    self._cond.notify_all()
+                self._tokenizing = None
+                if job.closed or job.prompt_token_ids is None:
+                    continue
+                refusal = self._refusal()
+                if refusal is None and compile_it:
+                    self._compiling.add(job)
+                elif refusal is None:
+                    self._enqueue(job)
+            if refusal is not None:
+                self._fail(job, *refusal)
+            elif compile_it:  # on the compiler's threads: a large grammar delays no other request
+                self.engine.compile_structured_output(job.params, lambda m, e, job=job: self._compiled(job, m, e))
+
+    def _compiled(self, job: Job, matcher: Any, error: str | None) -> None:
+        """A job's grammar is compiled (`matcher`) or cannot be (`error`): queue it or answer it."""
+        with self._cond:
+            if job not in self._compiling:  # the engine failed or the model stopped meanwhile: answered already
+                return
+            self._compiling.discard(job)
+            if matcher is not None:
+                job.matcher = matcher
+                self._enqueue(job)
+        if matcher is None:
+            self._fail(job, f"invalid request: {error}", ErrorKind.INVALID)
+
+    def _enqueue(self, job: Job) -> None:
+        """Queue a job for the engine thread (lock held)."""
+        self._queue.append(job)
+        self._cond.notify_all()
+
+    def _refusal(self) -> tuple[str, ErrorKind] | None:
+        """Why a request cannot be taken now (lock held): the engine failed or the model is stopping."""
+        if self.failed:
+            return ENGINE_FAILED
+        if self._stopping:
+            return ("the model is shutting down", ErrorKind.UNAVAILABLE)
+        return None
 
     # The engine thread.
 
@@ -288,8 +329,7 @@ class EngineLoop:
             self._active.clear()
             self._cond.notify_all()
         self._observe(self.observer.on_engine_failed)
-        error = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
-                 ErrorKind.UNAVAILABLE)
+        error = ENGINE_FAILED
         with self._outbox_cond:  # the response thread owns these jobs' senders: it sends their errors
             for job in engine_jobs:
                 self._outbox[job.request_id] = Delivery(job, error=error)
@@ -302,7 +342,8 @@ class EngineLoop:
         while self._admitting:
             job = self._admitting.popleft()
             try:
-                self.engine.add_request(job.request_id, job.prompt, job.params, job.prompt_token_ids)
+                self.engine.add_request(job.request_id, job.prompt, job.params, job.prompt_token_ids,
+                                        matcher=job.matcher)
             except ValueError as exc:
                 self._fail(job, f"invalid request: {exc}", ErrorKind.INVALID)
                 continue
@@ -472,10 +513,12 @@ class EngineLoop:
             logger.exception("metrics hook failed")
 
     def _fail(self, job: Job, message: str, kind: ErrorKind) -> None:
-        """Send the job's final error; the request id lets an operator find the details in the log."""
-        if job.closed:
-            return
-        job.closed = True
+        """Send the job's final error (once, whichever thread gets there first); the request id lets an
+        operator find the details in the log."""
+        with self._fail_lock:
+            if job.closed:
+                return
+            job.closed = True
         try:
             job.sink.send_error(f"{message} (request id {job.request_id})", kind)
         except Exception:

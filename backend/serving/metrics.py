@@ -6,6 +6,7 @@ at most every FLUSH_INTERVAL_S (and whenever the engine goes idle), not per toke
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from tritium.backend.config import RequestOutput
@@ -70,6 +71,8 @@ class EngineMetrics:
         self._generated = 0
         self._prompt = 0
         self._last_flush = 0.0
+        self._engine_failed = False  # then the scheduler's counts mean nothing: running and waiting stay 0
+        self._gauges = threading.Lock()  # the engine thread's failure vs the response thread's push
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None:
         new = len(output.delta_token_ids)
@@ -92,9 +95,11 @@ class EngineMetrics:
         self.stream_interval.set(interval)
 
     def on_engine_failed(self) -> None:
-        self.engine_healthy.set(0)
-        self.running.set(0)
-        self.waiting.set(0)
+        with self._gauges:
+            self._engine_failed = True
+            self.engine_healthy.set(0)
+            self.running.set(0)
+            self.waiting.set(0)
 
     def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None:
         """Push what was gathered, if FLUSH_INTERVAL_S passed since the last push (or `force`). `queued`:
@@ -124,7 +129,9 @@ class EngineMetrics:
             for value in values:
                 metric.observe(value)
             values.clear()
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting) + queued)
+        with self._gauges:
+            if not self._engine_failed:
+                self.running.set(len(sched.running))
+                self.waiting.set(len(sched.waiting) + queued)
         self.kv_usage.set(blocks.usage)
         self.kv_used_blocks.set(blocks.num_blocks - blocks.num_free_blocks)

@@ -36,6 +36,10 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     path = version_dir / "model.json"
     raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     timeout = raw.pop("request_timeout_s", None)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        raise ValueError(f"{path}: request_timeout_s must be a number of seconds > 0 (or null: no limit), "
+                         f"got {timeout!r}")
     max_pending = _int_setting(path, raw, "max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS, 1)
     stream_interval = _int_setting(path, raw, "stream_interval", 1, 1)
     max_stream_interval = _int_setting(path, raw, "max_stream_interval",
