@@ -10,30 +10,30 @@ from typing import Any
 
 import torch
 
-from tritium.backend.attention import get_attention_backend, resolve_backend_name
-from tritium.backend.block_manager import BlockManager
 from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
-from tritium.backend.fault_injection import FaultInjector
-from tritium.backend.grammar_compiler import CompileCallback, GrammarCompiler
-from tritium.backend.memory_budget import (
+from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
+from tritium.backend.core.sequence import Sequence
+from tritium.backend.core.stop_checker import StopChecker
+from tritium.backend.models.config import ModelConfig, check_attention_backend
+from tritium.backend.models.loader import load_model
+from tritium.backend.models.registry import resolve_model
+from tritium.backend.output_processor import OutputProcessor
+from tritium.backend.sample.sampler import Sampler, SamplerOutput, stage_random_rows
+from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.structured_output.compiler import CompileCallback, GrammarCompiler
+from tritium.backend.structured_output.decoding import StructuredDecoding, Verdict
+from tritium.backend.testing.faults import FaultInjector
+from tritium.backend.tokenizer import Tokenizer
+from tritium.backend.worker.attention import get_attention_backend, resolve_backend_name
+from tritium.backend.worker.memory_budget import (
     check_fits_one_sequence,
     check_free_memory,
     estimate_activation_bytes,
     kv_cache_budget,
     module_bytes,
 )
-from tritium.backend.model_runner import ModelRunner, kv_bytes_per_block
-from tritium.backend.models.config import ModelConfig, check_attention_backend
-from tritium.backend.models.loader import load_model
-from tritium.backend.models.registry import resolve_model
-from tritium.backend.output_processor import OutputProcessor
-from tritium.backend.sampler import Sampler, SamplerOutput, stage_random_rows
-from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.scheduler import Scheduler, SchedulerOutput
-from tritium.backend.sequence import Sequence
-from tritium.backend.stop_checker import StopChecker
-from tritium.backend.structured_decoding import StructuredDecoding, Verdict
-from tritium.backend.tokenizer import Tokenizer
+from tritium.backend.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 NOT_CONSTRAINED = Verdict()

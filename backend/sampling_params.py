@@ -14,7 +14,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from tritium.backend.structured_output import StructuredOutput
+from tritium.backend.structured_output.constraint import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64

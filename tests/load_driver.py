@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tritium.client.remote import grpc_inputs
+from tritium.client.triton.remote import grpc_inputs
 
 PROMPTS = [
     "Once upon a time, in a small village,",

@@ -21,8 +21,8 @@ from typing import Any
 
 import requests
 
-from tritium.client.remote import grpc_inputs
-from tritium.client.triton_server import free_ports
+from tritium.client.triton.launcher import free_ports
+from tritium.client.triton.remote import grpc_inputs
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tritium.client.bench_cluster import SETUPS, find_vllm_router, run_cluster_benchmark
+from tritium.client.bench.cluster import SETUPS, find_vllm_router, run_cluster_benchmark
 
 # Starts two tritonservers, three OpenAI endpoints and vllm-router: ~1-2 minutes on a 2-vCPU machine.
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tritium.backend import LLM
 from tritium.backend.models.random_checkpoint import write_random_llama
-from tritium.client.bench_overhead import in_process_summary, run_in_process
-from tritium.client.bench_serve import synthetic_prompts
+from tritium.client.bench.overhead import in_process_summary, run_in_process
+from tritium.client.bench.serve import synthetic_prompts
 
 
 def test_in_process_closed_loop(tmp_path: Path, default_model_path: Path, make_llm: Callable[..., LLM]) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tritium.client.bench_structured import MASK_BATCHES, MODES, run_structured_benchmark
-from tritium.client.sample_schemas import SCHEMAS
+from tritium.client.bench.schemas import SCHEMAS
+from tritium.client.bench.structured import MASK_BATCHES, MODES, run_structured_benchmark
 
 # Loads the default model and generates: ~17 s on an idle 2-vCPU machine, ~100 s on a busy one.
 pytestmark = pytest.mark.slow

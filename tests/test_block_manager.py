@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tritium.backend.block_manager import BlockManager
+from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.sequence import Sequence
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.sequence import Sequence
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:

@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from tritium.backend.serving.settings import load_settings
-from tritium.client.cli import build_parser
-from tritium.client.replica_load import EngineLoad, vllm_metrics
+from tritium.client.cli.main import build_parser
+from tritium.client.cluster.replica_load import EngineLoad, vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -311,7 +311,7 @@ def unkeyed_exposures(docs: list[Doc]) -> list[str]:
     """Every tritium server in `docs` that binds a non-loopback address without its keys from a Secret
     (`tritium serve`: the API and admin keys; `tritium openai`: the API key), and every vllm-router that
     would reach keyed workers without the key."""
-    from tritium.client.bind_policy import is_loopback
+    from tritium.client.cli.bind_policy import is_loopback
 
     parser = build_parser()
     found = []

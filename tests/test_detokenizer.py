@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tritium.backend.core.stop_checker import StopStrings
 from tritium.backend.detokenizer import IncrementalDetokenizer
-from tritium.backend.stop_checker import StopStrings
 from tritium.backend.tokenizer import Tokenizer
 
 

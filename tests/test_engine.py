@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.fault_injection import FaultInjector
+from tritium.backend.testing.faults import FaultInjector
 
 
 @pytest.fixture

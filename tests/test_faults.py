@@ -27,8 +27,8 @@ from serve_helpers import (
     wait_until_idle,
 )
 
-from tritium.backend.fault_injection import FAULT_MARKER_ENV
-from tritium.client.triton_server import PACKAGE_REPOSITORY, pid_alive
+from tritium.backend.testing.faults import FAULT_MARKER_ENV
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY, pid_alive
 
 pytestmark = pytest.mark.slow
 MARKER = "<<tritium-fault>>"

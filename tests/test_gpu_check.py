@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tritium.client.engine_check import STEP_LABEL, recording_syncs, split_profile
-from tritium.client.gpu_check_report import StepResult, goal_verdicts
+from tritium.client.checks.engine import STEP_LABEL, recording_syncs, split_profile
+from tritium.client.checks.report import StepResult, goal_verdicts
 
 
 @pytest.mark.slow
@@ -21,7 +21,7 @@ from tritium.client.gpu_check_report import StepResult, goal_verdicts
 def test_gpu_check_smoke(tmp_path: Path, default_model_path: Path) -> None:
     out = tmp_path / "gpu_check"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the entry must set it itself
-    run = subprocess.run([sys.executable, "-m", "tritium.client.gpu_check", "--smoke", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "tritium.client.checks.gpu_check", "--smoke", "--out", str(out)],
                          capture_output=True, text=True, timeout=840, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((out / "gpu_check.json").read_text())
@@ -82,14 +82,14 @@ def test_split_profile_separates_host_waits_and_gpu_time() -> None:
 def test_recording_syncs_names_the_innermost_tritium_frame(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    import tritium.backend.sampler
+    import tritium.backend.sample.sampler
 
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     namespace: dict[str, object] = {}
     # a function that lives (as far as tracebacks know) in backend/sampler.py and synchronizes
     exec(compile("def fetch():\n    import warnings\n    warnings.warn('called a synchronizing CUDA operation')\n",
-                 tritium.backend.sampler.__file__, "exec"), namespace)
+                 tritium.backend.sample.sampler.__file__, "exec"), namespace)
     with recording_syncs() as found:
         namespace["fetch"]()  # type: ignore[operator]
         namespace["fetch"]()  # type: ignore[operator]

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from serve_helpers import wait_for
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend import sampler as sampler_module
 from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
-from tritium.backend.fault_injection import FaultInjector
+from tritium.backend.sample import sampler as sampler_module
 from tritium.backend.sampling_params import SAMPLING_FIELDS
 from tritium.backend.serving.engine_loop import EngineLoop, ErrorKind, Job
+from tritium.backend.testing.faults import FaultInjector
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 VOCAB = 49152

@@ -247,7 +247,7 @@ def test_ops_take_views_of_a_fused_qkv(ops, dtype: torch.dtype) -> None:  # type
 
 
 def test_kernel_benchmark_script_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tritium.client.bench_kernels import run_kernel_benchmark
+    from tritium.client.bench.kernels import run_kernel_benchmark
 
     report = run_kernel_benchmark(out_dir=str(tmp_path), smoke=True)
     assert (tmp_path / "kernels.json").is_file() and (tmp_path / "kernels.png").stat().st_size > 1000

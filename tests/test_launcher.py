@@ -21,8 +21,8 @@ from serve_helpers import (
     wait_for,
 )
 
-from tritium.backend.fault_injection import LOOP_FAULT_MARKER_ENV
-from tritium.client.triton_server import (
+from tritium.backend.testing.faults import LOOP_FAULT_MARKER_ENV
+from tritium.client.triton.launcher import (
     PACKAGE_REPOSITORY,
     EngineHealth,
     ServerOptions,

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tritium.backend import LLM, EngineConfig
-from tritium.backend.memory_budget import (
+from tritium.backend.models.config import ModelConfig
+from tritium.backend.serving.settings import load_settings
+from tritium.backend.worker.memory_budget import (
     CUDA_OVERHEAD_BYTES,
     GiB,
     MiB,
@@ -21,9 +23,7 @@ from tritium.backend.memory_budget import (
     kv_cache_budget,
     module_bytes,
 )
-from tritium.backend.models.config import ModelConfig
-from tritium.backend.serving.settings import load_settings
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 TINY_BLOCK_BYTES = 2 * 3 * 2 * 16 * 4 * 16  # K and V x 3 layers x 2 KV heads x head_dim 16 x fp32 x 16 tokens
 

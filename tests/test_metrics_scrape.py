@@ -16,10 +16,10 @@ import pytest
 import requests
 from serve_helpers import fake_repository, start_openai_with, start_serve
 
-from tritium.client import replica_load
-from tritium.client import router as router_module
-from tritium.client.replica_load import EngineLoad, engine_load, parse_samples, vllm_metrics
-from tritium.client.router import Router
+from tritium.client.cluster import replica_load
+from tritium.client.cluster import router as router_module
+from tritium.client.cluster.replica_load import EngineLoad, engine_load, parse_samples, vllm_metrics
+from tritium.client.cluster.router import Router
 
 GOOD = "\n".join([
     "# TYPE tritium_num_requests_running gauge",

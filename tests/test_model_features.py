@@ -16,7 +16,7 @@ from serve_helpers import http_generate, start_serve
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.models.config import ModelFolderError
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 from conftest import _save_tiny
 from hf_reference import hf_greedy

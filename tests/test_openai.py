@@ -19,8 +19,8 @@ from serve_helpers import Served, metric_value, start_openai, start_serve, wait_
 from starlette.types import Message, Receive, Scope, Send
 
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client.openai_guard import RequestGuard
-from tritium.client.router import prefix_score
+from tritium.client.cluster.router import prefix_score
+from tritium.client.openai.guard import RequestGuard
 
 pytestmark = pytest.mark.slow
 KEY = "sk-tritium-test"

@@ -21,7 +21,7 @@ import requests
 from serve_helpers import Served, start_openai, start_serve
 from test_openai import KEY
 
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 pytestmark = pytest.mark.slow
 

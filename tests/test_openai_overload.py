@@ -21,8 +21,8 @@ from serve_helpers import (
     wait_until_idle,
 )
 
-from tritium.client.router import prefix_score
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.cluster.router import prefix_score
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time, in a small village,"

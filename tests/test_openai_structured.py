@@ -18,8 +18,8 @@ import pytest
 from serve_helpers import Served, start_openai, start_serve
 from test_tool_calls import TIME, WEATHER, assembled, write_hermes_model
 
-from tritium.client.sample_schemas import SCHEMAS, UNSUPPORTED
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.bench.schemas import SCHEMAS, UNSUPPORTED
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 pytestmark = pytest.mark.slow
 FORMATS = jsonschema.FormatChecker()

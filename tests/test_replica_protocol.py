@@ -15,9 +15,9 @@ import requests
 from serve_helpers import Served, metric_value, raw_http_request, start_openai_with, start_serve, wait_for
 
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client.replica_load import EngineLoad, engine_load, parse_samples
-from tritium.client.router import prefix_score
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.cluster.replica_load import EngineLoad, engine_load, parse_samples
+from tritium.client.cluster.router import prefix_score
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time, in a small village,"
@@ -210,7 +210,13 @@ def test_engine_load_sums_versions_and_reads_health() -> None:
 
 
 def test_router_counts_requests_other_clients_sent() -> None:
-    from tritium.client.router import AFFINITY_SLACK, EXTERNAL_REQUEST_TOKENS, Replica, Router, default_metrics_url
+    from tritium.client.cluster.router import (
+        AFFINITY_SLACK,
+        EXTERNAL_REQUEST_TOKENS,
+        Replica,
+        Router,
+        default_metrics_url,
+    )
 
     router = Router(["a:8001", "b:8001"], metrics_urls=["http://a:8002/metrics", "http://b:8002/metrics"])
     a, b = router.replicas
@@ -236,7 +242,7 @@ def test_router_counts_requests_other_clients_sent() -> None:
 
 
 def test_passed_through_metrics_name_replicas_by_index_not_address() -> None:
-    from tritium.client.replica_protocol import upstream_tritium_metrics
+    from tritium.client.openai.replica_routes import upstream_tritium_metrics
 
     page = '# TYPE tritium_num_requests_running gauge\ntritium_num_requests_running{model="tritium",version="1"} 2\n' \
         'nv_inference_count{model="tritium"} 9\n'

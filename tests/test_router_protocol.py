@@ -36,7 +36,7 @@ import pytest
 import requests
 from serve_helpers import Served, free_ports, metric_value, start_openai_with, start_serve, wait_for, wait_until_idle
 
-from tritium.client.triton_server import PACKAGE_REPOSITORY, clean_stale
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY, clean_stale
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritium.backend.sampler import Sampler, apply_penalties, row_max
+from tritium.backend.core.sequence import Sequence
+from tritium.backend.sample.sampler import Sampler, apply_penalties, row_max
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.sequence import Sequence
 
 from test_block_manager import seq
 

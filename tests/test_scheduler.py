@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tritium.backend.block_manager import BlockManager
-from tritium.backend.scheduler import Scheduler, SchedulerOutput
-from tritium.backend.sequence import SequenceStatus
+from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
+from tritium.backend.core.sequence import SequenceStatus
 
 from test_block_manager import seq
 

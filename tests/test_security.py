@@ -257,7 +257,7 @@ def test_a_non_loopback_address_without_keys_is_refused(command: list[str]) -> N
 
 
 def test_the_bind_policy_knows_loopback_and_the_unsafe_flag() -> None:
-    from tritium.client.bind_policy import is_loopback, open_bind_refusal
+    from tritium.client.cli.bind_policy import is_loopback, open_bind_refusal
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.com", ""))

@@ -23,7 +23,7 @@ from serve_helpers import (
 )
 
 from tritium.backend import LLM, SamplingParams
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time, in a small village,"
@@ -75,7 +75,7 @@ def test_non_streaming_returns_one_response_with_the_whole_text(server: Served, 
 def test_the_example_serve_prints_gets_an_answer(server: Served) -> None:
     """The first request a newcomer copies: a question through the chat template, answered in a sentence (a
     bare question makes the instruct model end at once, echoing the prompt)."""
-    from tritium.client.cli import EXAMPLE_REQUEST
+    from tritium.client.cli.main import EXAMPLE_REQUEST
 
     resp = http_generate(server.http, EXAMPLE_REQUEST)
     assert resp.status_code == 200, resp.text
@@ -213,7 +213,7 @@ def test_cli_generate_and_chat_stream_from_the_server(server: Served, local: LLM
 
 
 def test_bench_serve_reports_consistent_metrics(server: Served, tmp_path: Path) -> None:
-    from tritium.client.bench_serve import run_serve_benchmark
+    from tritium.client.bench.serve import run_serve_benchmark
 
     report = run_serve_benchmark(server.grpc, concurrency=[1, 3], num_requests=4, input_len=16, output_len=6,
                                  out_dir=str(tmp_path))

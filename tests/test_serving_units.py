@@ -21,10 +21,10 @@ from tritium.backend.serving.ids_model import SCALAR_INPUTS, IdsSink, parse_ids_
 from tritium.backend.serving.request import FLAG_INPUTS, TextRequest, parse_text_request
 from tritium.backend.serving.text_codec_models import decode_delta, encode_prompt
 from tritium.backend.serving.text_model import TextSink
-from tritium.backend.structured_output import StructuredOutput
+from tritium.backend.structured_output.constraint import StructuredOutput
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client import openai_protocol
-from tritium.client.triton_server import PACKAGE_REPOSITORY
+from tritium.client.openai import protocol as openai_protocol
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
 
 def text_inputs(prompt: bytes | None = b"hi", **extra: object) -> dict[str, np.ndarray | None]:

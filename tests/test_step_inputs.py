@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from tritium.backend import LLM
-from tritium.backend.block_tables import DeviceBlockTables
 from tritium.backend.config import EngineConfig
-from tritium.backend.decode_graphs import graph_buckets
+from tritium.backend.core.sequence import Sequence
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models.random_checkpoint import write_random_llama
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.sequence import Sequence
-from tritium.backend.staging import StagingBuffer, StagingOverflow
+from tritium.backend.worker.block_tables import DeviceBlockTables
+from tritium.backend.worker.decode_graphs import graph_buckets
+from tritium.backend.worker.staging import StagingBuffer, StagingOverflow
 
 
 @pytest.fixture(scope="module")

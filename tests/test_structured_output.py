@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from serve_helpers import wait_for
 
-from tritium.backend.grammar_compiler import GrammarCompiler, estimated_bytes
 from tritium.backend.llm import LLM
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.serving.request import parse_text_request
-from tritium.backend.structured_output import StructuredOutput
+from tritium.backend.structured_output.compiler import GrammarCompiler, estimated_bytes
+from tritium.backend.structured_output.constraint import StructuredOutput
 from tritium.backend.tokenizer import Tokenizer
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

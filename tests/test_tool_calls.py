@@ -18,11 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client.openai_protocol import ChatRequest, CompletionRequest, RequestError
-from tritium.client.openai_server import create_app
-from tritium.client.router import Chunk
-from tritium.client.sample_schemas import SCHEMAS, UNSUPPORTED
-from tritium.client.tool_calls import (
+from tritium.client.bench.schemas import SCHEMAS, UNSUPPORTED
+from tritium.client.cluster.router import Chunk
+from tritium.client.openai.app import create_app
+from tritium.client.openai.protocol import ChatRequest, CompletionRequest, RequestError
+from tritium.client.openai.tool_calls import (
     HermesParser,
     Llama3JsonParser,
     NamedCallParser,

@@ -12,8 +12,8 @@ import math
 import torch
 from torch import nn
 
-from tritium.backend.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.models.config import ModelConfig
+from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,0 +1,119 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, and prefix caching.
+
+A full block is identified by a chained hash of its tokens and its parent's hash, so equal
+prefixes map to equal blocks. Blocks whose ref count drops to 0 stay cached (hash kept) on an LRU
+free list and are only overwritten when a new block is needed; unhashed blocks are reused first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from tritium.backend.core.sequence import Sequence
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache must hold at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest cached prefix of `seq` (which holds no blocks) and
+        mark those tokens computed. At least one token is always left to compute. Returns the
+        number of tokens served from the cache."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        self.prefix_queried_tokens += seq.num_tokens
+        parent = b""
+        for i in range(max_blocks):
+            h = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            parent = h
+        hit = len(seq.block_table) * bs
+        seq.num_computed_tokens = hit
+        self.prefix_hit_tokens += hit
+        return hit
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make `seq`'s block table cover `num_new_tokens` more tokens. Returns False (and allocates
+        nothing) when not enough blocks are free."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            block, _ = self.free.popitem(last=False)
+            old = self.hashes[block]
+            if old is not None:
+                self.hashes[block] = None
+                if self.cached.get(old) == block:
+                    del self.cached[old]
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+        return True
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that became full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        for i in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            h = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if self.hashes[block] is None and h not in self.cached:
+                self.hashes[block] = h
+                self.cached[h] = block
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop `seq`'s references (tail first, so the tail is evicted first) and reset it to no
+        computed tokens."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                if self.hashes[block] is None:
+                    self.free.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

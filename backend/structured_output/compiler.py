@@ -1,0 +1,244 @@
+"""Compile a request's `StructuredOutput` into an llguidance matcher for this engine's tokenizer, with a cache.
+
+Compiling happens off the engine thread and off the tokenizer thread: the serving loop hands a constraint to
+`submit`, which compiles it on a small pool and calls back when it is done, so a large schema delays only its
+own request. Each compile has a time limit; a constraint llguidance cannot enforce fails with a ValueError
+naming what it refused ("Unimplemented keys: [\"not\"]"), and that verdict is cached too, so a client
+repeating a bad schema costs nothing. A compile that ran out of time is not a verdict: it is not cached, and
+when it finishes later its matcher is.
+
+The cache is bounded by bytes, not entries: a compiled matcher's memory grows with its source (measured at up
+to ~220 bytes per byte of schema for many optional properties; a few bytes per byte for enums), so each entry
+is charged MATCHER_BYTES_PER_SOURCE_BYTE per source byte (an upper bound of what was measured) and the least
+recently used entries go when the total passes `cache_bytes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tritium.backend.config import DEFAULT_GRAMMAR_CACHE_BYTES
+from tritium.backend.structured_output.constraint import StructuredOutput
+from tritium.backend.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
+
+logger = logging.getLogger(__name__)
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+COMPILE_WORKERS = 2
+COMPILE_NICE = 15  # below the tokenizer thread's 10: tokenizing a prompt is quicker and more urgent
+MATCHER_BYTES_PER_SOURCE_BYTE = 256
+MATCHER_BASE_BYTES = 64 << 10
+
+# (the matcher, None) or (None, why there is none)
+Compiled = tuple["llguidance.LLMatcher | None", "str | None"]
+CompileCallback = Callable[["llguidance.LLMatcher | None", "str | None"], None]
+
+
+@dataclass
+class CompileStats:
+    """What the compiler did, cumulatively (the benchmark and the metrics read it)."""
+
+    compiled: int = 0
+    cache_hits: int = 0
+    compile_s: float = 0.0
+    timeouts: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class _Entry:
+    value: llguidance.LLMatcher | str  # the matcher at its start, or why the constraint cannot be enforced
+    charge: int  # bytes counted against the cache's bound
+
+
+def estimated_bytes(spec: StructuredOutput) -> int:
+    """What a compiled matcher of `spec` is charged against the cache (an upper bound of measured sizes)."""
+    return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_SOURCE_BYTE * spec.source_bytes
+
+
+class GrammarCompiler:
+    """Matchers for one tokenizer. Thread-safe: any thread may compile; matchers it returns are the caller's."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
+        self.timeout_s = timeout_s
+        self.cache_bytes = cache_bytes
+        self.stats = CompileStats()
+        self._tokenizer_json = tokenizer.hf.to_str()
+        self._eos = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
+        self._cached_bytes = 0
+        self._compiling: dict[StructuredOutput, list[CompileCallback]] = {}  # waiters of compiles under way
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="tritium-grammar",
+                                        initializer=_lower_priority)
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary (~0.5 s to build for 49k tokens: built at the first use)."""
+        import llguidance
+
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, eos_token=self._eos)
+            return self._ll_tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.ll_tokenizer.vocab_size)
+
+    @property
+    def cached_bytes(self) -> int:
+        """The bytes the cached entries are charged, in all (at most `cache_bytes`)."""
+        return self._cached_bytes
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec` at its start, waiting for the compile. Raises ValueError naming what
+        cannot be enforced or the time limit that was exceeded."""
+        done = threading.Event()
+        result: list[Compiled] = []
+
+        def finished(matcher: llguidance.LLMatcher | None, error: str | None) -> None:
+            result.append((matcher, error))
+            done.set()
+
+        self.submit(spec, finished)
+        done.wait()
+        matcher, error = result[0]
+        if matcher is None:
+            raise ValueError(error)
+        return matcher
+
+    def submit(self, spec: StructuredOutput, callback: CompileCallback) -> None:
+        """Call `callback(matcher, None)` with a fresh matcher for `spec`, or `callback(None, why)`: at once on a
+        cache hit, else from a compile thread once compiled or once `timeout_s` passed. Never raises; the
+        callback is called exactly once and must not raise."""
+        with self._lock:
+            entry = self._cache.get(spec)
+            if entry is not None:
+                self._cache.move_to_end(spec)
+                self.stats.cache_hits += 1
+            elif spec in self._compiling:  # the same constraint is being compiled: wait for that compile
+                self._compiling[spec].append(_once_within(self.timeout_s, spec, callback, self.stats))
+                return
+            else:
+                self._compiling[spec] = [_once_within(self.timeout_s, spec, callback, self.stats)]
+        if entry is not None:
+            _answer(callback, entry.value)
+            return
+        self._pool.submit(self._compile_and_answer, spec)
+
+    def _compile_and_answer(self, spec: StructuredOutput) -> None:
+        t0 = time.perf_counter()
+        try:
+            value = _compile(self.ll_tokenizer, spec)
+        except Exception as exc:  # llguidance failed in a way it does not report as a grammar error
+            value = f"structured_output.{spec.kind} could not be compiled: {_summary(str(exc))}"
+        with self._lock:
+            self.stats.compiled += 1
+            self.stats.compile_s += time.perf_counter() - t0
+            self._store(spec, value)
+            waiters = self._compiling.pop(spec, [])
+        for callback in waiters:
+            _answer(callback, value)
+
+    def _store(self, spec: StructuredOutput, value: llguidance.LLMatcher | str) -> None:
+        """Cache `value` (lock held), evicting the least recently used entries beyond `cache_bytes`."""
+        charge = len(value) + spec.source_bytes if isinstance(value, str) else estimated_bytes(spec)
+        if charge > self.cache_bytes:
+            return
+        old = self._cache.pop(spec, None)
+        if old is not None:
+            self._cached_bytes -= old.charge
+        self._cache[spec] = _Entry(value, charge)
+        self._cached_bytes += charge
+        while self._cached_bytes > self.cache_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self._cached_bytes -= evicted.charge
+            self.stats.evictions += 1
+
+
+def _lower_priority() -> None:
+    """Compiles yield the CPU to the engine and the tokenizer thread (a large one takes seconds of a core)."""
+    try:  # Linux: a thread's own nice value (raising it needs no privilege)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (OSError, AttributeError):
+        logger.warning("could not lower the grammar compiler threads' priority")
+
+
+def _answer(callback: CompileCallback, value: llguidance.LLMatcher | str) -> None:
+    if isinstance(value, str):
+        callback(None, value)
+    else:
+        callback(value.deep_copy(), None)
+
+
+def _once_within(timeout_s: float, spec: StructuredOutput, callback: CompileCallback,
+                 stats: CompileStats) -> CompileCallback:
+    """`callback`, called once: by the compile, or with a time-limit refusal if `timeout_s` passes first."""
+    lock = threading.Lock()
+    # once -> timer -> expired -> once is a reference cycle; emptying `pending` on the first call lets the
+    # callback (and the request it captures) go at once instead of at the next garbage collection.
+    pending = [callback]
+
+    def once(matcher: llguidance.LLMatcher | None, error: str | None) -> None:
+        with lock:
+            if not pending:
+                return
+            answer = pending.pop()
+        timer.cancel()
+        answer(matcher, error)
+
+    def expired() -> None:
+        with lock:
+            if not pending:
+                return
+        stats.timeouts += 1
+        once(None, f"structured_output.{spec.kind} did not compile within {timeout_s:g} s; simplify it")
+
+    timer = threading.Timer(timeout_s, expired)
+    timer.daemon = True
+    timer.start()
+    return once
+
+
+def _compile(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> llguidance.LLMatcher | str:
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    kind, source = spec.lark_or_json_grammar()
+    try:
+        if kind == "json":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=spec.json_options())
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(source)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(source))
+    except Exception as exc:  # a malformed GBNF grammar, a schema llguidance cannot read
+        return f"structured_output.{spec.kind} is not valid: {_summary(str(exc))}"
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        return f"structured_output.{spec.kind} cannot be enforced: {_summary(matcher.get_error())}"
+    return matcher
+
+
+def _summary(message: str, limit: int = 400) -> str:
+    """llguidance's message on one line: its indented lines (an excerpt of the source, a caret under the
+    spot) are left out."""
+    lines = [line.strip() for line in message.splitlines() if line.strip() and not line[0].isspace()]
+    text = " ".join(lines) or "unknown error"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,252 @@
+"""Owns the model and the KV cache; turns a scheduled step into one packed forward pass.
+
+A step's inputs go through the staging buffer (staging.py: one host-to-device copy) and the device block
+tables (block_tables.py: incremental). Decode-only steps of up to `max_num_seqs` sequences run padded to a
+batch-size bucket on fixed views of the staging buffer, so that on CUDA a graph captured per bucket at start
+replays them (decode_graphs.py); mixed and prefill steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import torch
+
+from tritium.backend.core.scheduler import ScheduledSequence
+from tritium.backend.models.llama import LlamaForCausalLM
+from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.worker.block_tables import DeviceBlockTables
+from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets
+from tritium.backend.worker.staging import StagingBuffer
+from tritium.kernels.warmup import EngineShape
+from tritium.kernels.warmup import warm_up as warm_up_kernels
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    c = model.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class HostStep:
+    """A step's inputs as plain lists, decode rows first (one token each), then prefill chunks."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)  # rows of the device block tables
+    decode_seq_lens: list[int] = field(default_factory=list)
+    decode_width: int = 0  # block-table columns the decode rows need
+    prefill_rows: list[int] = field(default_factory=list)
+    prefill_cu_seqlens: list[int] = field(default_factory=lambda: [0])
+    prefill_seq_lens: list[int] = field(default_factory=list)
+    prefill_width: int = 0
+    logit_rows: list[int] = field(default_factory=list)
+    update_index: list[int] = field(default_factory=list)  # block-table entries to write (flat index, block)
+    update_value: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PreparedStep:
+    """Where one step's inputs lie in the staging buffer, and the sizes the launch needs from the host."""
+
+    num_tokens: int  # packed rows run through the model (a decode bucket's padding included)
+    input_ids: slice
+    positions: slice
+    slots: slice
+    num_decode: int
+    decode_rows: slice  # rows of the device block tables
+    decode_seq_lens: slice
+    decode_width: int  # block-table columns the decode rows need
+    prefill_rows: slice
+    prefill_cu_seqlens: slice
+    prefill_seq_lens: slice
+    prefill_width: int
+    max_query_len: int
+    logit_rows: slice  # packed row of each sampling sequence's last token, in scheduled order
+    num_logit_rows: int
+    update_index: slice
+    update_value: slice
+    bucket: int | None = None  # the decode graph this step replays
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        use_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        c = model.config
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(c.num_hidden_layers)
+        ]
+        width = -(-max_model_len // block_size)
+        self.block_tables = DeviceBlockTables(max_num_seqs, width, device)
+        # A step carries at most max_num_batched_tokens, or one whole prompt when chunked prefill is off.
+        seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs, max_model_len)
+        # ids, positions, slots; decode and prefill rows/lengths; logit rows; table updates (a step may rewrite
+        # every scheduled row); the sampler's four per-row settings and its random-row list.
+        capacity = 3 * tokens + 8 * seqs + 1 + 2 * seqs * width + 5 * seqs
+        self.staging = StagingBuffer(capacity, device)
+        self.graphs = DecodeGraphs(graph_buckets(max_num_seqs) if use_graphs else [], device)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or preempted request's block-table row."""
+        self.block_tables.release(request_id)
+
+    def prepare(self, batch: list[ScheduledSequence]) -> PreparedStep:
+        """Stage the step (decode rows, one new token each, first; then prefill chunks). Call
+        `staging.begin()` before and `staging.upload()` after (the sampler stages its settings in between)."""
+        bs = self.block_size
+        tables = self.block_tables
+        host = HostStep()
+        last_row: dict[int, int] = {}  # id(scheduled) -> its last packed row
+        for s in batch:  # decode rows: one token at position num_computed_tokens
+            if s.num_new_tokens != 1:
+                continue
+            seq = s.seq
+            pos = seq.num_computed_tokens
+            last_row[id(s)] = len(host.input_ids)
+            host.input_ids.append(seq.token_ids[pos])
+            host.positions.append(pos)
+            host.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            host.decode_rows.append(tables.row(seq))
+            host.decode_seq_lens.append(pos + 1)
+            host.decode_width = max(host.decode_width, pos // bs + 1)
+        for s in batch:
+            if s.num_new_tokens == 1:
+                continue
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            table = seq.block_table
+            host.input_ids.extend(seq.token_ids[start:end])
+            host.positions.extend(range(start, end))
+            host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            last_row[id(s)] = len(host.input_ids) - 1
+            host.prefill_rows.append(tables.row(seq))
+            host.prefill_cu_seqlens.append(host.prefill_cu_seqlens[-1] + s.num_new_tokens)
+            host.prefill_seq_lens.append(end)
+            host.prefill_width = max(host.prefill_width, -(-end // bs))
+        host.logit_rows = [last_row[id(s)] for s in batch if s.samples]
+        host.update_index, host.update_value = tables.take_updates()
+        num_decode = len(host.decode_rows)
+        return self._stage(host, self.graphs.bucket_for(num_decode) if num_decode == len(batch) else None)
+
+    def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
+        """Put `host` into the staging buffer, decode sections padded to `bucket` (a graph reads them at the
+        same offsets for every step of that bucket: padding rows write nothing and attend to one key of the
+        zero block-table row)."""
+        st, tables = self.staging, self.block_tables
+        pad = bucket or 0
+        cu = host.prefill_cu_seqlens
+        return PreparedStep(
+            num_tokens=max(len(host.input_ids), pad),
+            input_ids=st.put(host.input_ids, pad),
+            positions=st.put(host.positions, pad),
+            slots=st.put(host.slots, pad, fill=-1),
+            num_decode=max(len(host.decode_rows), pad),
+            decode_rows=st.put(host.decode_rows, pad, fill=tables.padding_row),
+            decode_seq_lens=st.put(host.decode_seq_lens, pad, fill=1),
+            decode_width=tables.width if bucket is not None else host.decode_width,
+            prefill_rows=st.put(host.prefill_rows),
+            prefill_cu_seqlens=st.put(cu),
+            prefill_seq_lens=st.put(host.prefill_seq_lens),
+            prefill_width=host.prefill_width,
+            max_query_len=max((b - a for a, b in pairwise(cu)), default=0),
+            logit_rows=st.put(host.logit_rows),
+            num_logit_rows=len(host.logit_rows),
+            update_index=st.put(host.update_index),
+            update_value=st.put(host.update_value),
+            bucket=bucket,
+        )
+
+    def metadata(self, step: PreparedStep) -> AttentionMetadata:
+        """The kernels' view of a staged step (device ops only: gathers of the block-table rows)."""
+        st, table = self.staging, self.block_tables.tensor
+        return AttentionMetadata(
+            slot_mapping=st.ints(step.slots),
+            num_decode_tokens=step.num_decode,
+            decode_block_tables=table.index_select(0, st.ints(step.decode_rows))[:, : step.decode_width],
+            decode_seq_lens=st.ints(step.decode_seq_lens),
+            prefill_block_tables=table.index_select(0, st.ints(step.prefill_rows))[:, : step.prefill_width],
+            prefill_cu_seqlens_q=st.ints(step.prefill_cu_seqlens),
+            prefill_seq_lens=st.ints(step.prefill_seq_lens),
+            prefill_max_query_len=step.max_query_len,
+        )
+
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """Hidden states of the staged step's packed rows (what a decode graph captures)."""
+        st = self.staging
+        return self.model(st.ints(step.input_ids), st.ints(step.positions), self.kv_caches,
+                          self.metadata(step), self.backend)
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        """fp32 logits on the model's device, one row per sequence that samples this step (scheduled
+        order). The staged inputs must be uploaded."""
+        st = self.staging
+        self.block_tables.apply(st.ints(step.update_index), st.ints(step.update_value))
+        if step.bucket is not None:
+            hidden = self.graphs.run(step.bucket, lambda: self.forward(step))
+        else:
+            hidden = self.forward(step)
+        if step.num_logit_rows == 0:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, st.ints(step.logit_rows)))
+
+    @torch.inference_mode()
+    def warm_up(self, max_prefill_tokens: int) -> float:
+        """Launch everything the engine will launch before serving, so nothing compiles while it serves: every
+        Triton kernel variant (kernels/warmup.py), a prefill, a mixed step, and each decode bucket (captured as
+        a CUDA graph on CUDA). Writes no KV (slots -1). Returns the seconds taken."""
+        t0 = time.perf_counter()
+        if self.backend.name == "triton":  # every kernel variant, each decode split count included
+            c = self.model.config
+            shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
+                                c.intermediate_size, self.model.cos_sin_cache.shape[-1], self.block_size,
+                                self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32,
+                                vocab_size=c.vocab_size)
+            warm_up_kernels(self.backend.ops, shape)
+        sizes = {1, max(2, min(max_prefill_tokens, 64)), max_prefill_tokens} if self.device.type == "cuda" else {1}
+        for tokens in sorted(sizes):
+            self.execute(self._dummy_step(num_decode=0, prefill_tokens=tokens))
+        self.execute(self._dummy_step(num_decode=1, prefill_tokens=2))
+        for bucket in sorted(self.graphs.buckets, reverse=True):  # largest first: later graphs reuse its pool
+            step = self._dummy_step(num_decode=0, prefill_tokens=0, bucket=bucket)  # all padding rows
+            self.graphs.capture(bucket, lambda step=step: self.forward(step))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _dummy_step(self, num_decode: int, prefill_tokens: int, bucket: int | None = None) -> PreparedStep:
+        """A staged and uploaded step whose sequences all use the zero padding row and write nothing."""
+        pad_row = self.block_tables.padding_row
+        tokens = num_decode + prefill_tokens
+        prefill = [prefill_tokens] if prefill_tokens else []
+        host = HostStep(
+            input_ids=[0] * tokens, positions=[0] * tokens, slots=[-1] * tokens,
+            decode_rows=[pad_row] * num_decode, decode_seq_lens=[1] * num_decode, decode_width=min(num_decode, 1),
+            prefill_rows=[pad_row] * len(prefill), prefill_cu_seqlens=[0, *prefill], prefill_seq_lens=prefill,
+            prefill_width=-(-prefill_tokens // self.block_size), logit_rows=[tokens - 1] if tokens else [],
+        )
+        self.staging.begin()
+        step = self._stage(host, bucket)
+        self.staging.upload()
+        return step

@@ -1,0 +1,208 @@
+"""gpu-check step 1: every Triton kernel against its torch reference, at GPU tiles, at realistic shapes.
+
+On CUDA: fp16 and bf16, the default model's head layout (9 heads, 3 KV heads, head_dim 64) and a
+Llama-8B-like one (32 / 8 / 128), thousands of tokens, prefill with several sequences and chunked context,
+decode with contexts up to 16k. In smoke mode (CPU, TRITON_INTERPRET=1): the default layout with a few
+tokens, fp32 and fp16 (the interpreter cannot run `tl.dot` on bf16), GPU tiles when the kernels take
+`tiles`. Attention is compared with the reference computed in fp32 from the same inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tritium.client.bench.kernels import paged_cache
+from tritium.client.checks.report import FAIL, PASS, Outcome
+
+# atol = rtol per dtype: output rounding plus the kernels' different summation order
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+
+DEFAULT_LAYOUT = Layout("SmolLM2-135M", 9, 3, 64, 576, 1536)
+LLAMA_8B_LAYOUT = Layout("Llama-8B-like", 32, 8, 128, 4096, 14336)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    tokens: int  # rows for the elementwise kernels and store_kv
+    prefill_contexts: list[int]  # per sequence: cached tokens ...
+    prefill_queries: list[int]  # ... of which the last this many are queries (fewer: chunked / prefix hit)
+    decode_contexts: list[int]
+    max_position: int
+
+
+GPU_SIZES = Sizes(4096, [1, 17, 300, 1000, 2053], [1, 17, 300, 128, 2053],
+                  [1, 15, 16, 17, 1000, 4097, 8191, 16384], 16384)
+SMOKE_SIZES = Sizes(37, [1, 17, 40], [1, 17, 9], [1, 16, 17, 50], 128)
+
+
+@dataclass
+class Case:
+    op: str
+    layout: str
+    dtype: str
+    max_abs_err: float | None = None
+    ok: bool = False
+    error: str | None = None
+
+
+def tile_kwargs(fn: Callable[..., Any]) -> dict[str, str]:
+    """`tiles="gpu"` when the kernel wrapper takes a `tiles` argument (GPU tile sizes under the interpreter
+    too), else nothing (on CUDA the wrappers use GPU tiles anyway)."""
+    return {"tiles": "gpu"} if "tiles" in inspect.signature(fn).parameters else {}
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
+    tol = TOLERANCE[dtype]
+    diff = (got.float() - want.float()).abs()
+    ok = bool((diff <= tol + tol * want.float().abs()).all()) and not bool(got.isnan().any())
+    return float(diff.max()) if diff.numel() else 0.0, ok
+
+
+def paged_context(lengths: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches holding every sequence in scattered blocks (plus spare ones), and the block tables."""
+    return paged_cache(lengths, kv_heads, head_dim, dtype, device, BLOCK_SIZE, spare_blocks=3)
+
+
+def _store_kv(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+    n = sizes.tokens
+    num_blocks = -(-2 * n // BLOCK_SIZE)
+    key_cache = torch.zeros(num_blocks, BLOCK_SIZE, lay.kv_heads, lay.head_dim, dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    key = torch.randn(n, lay.kv_heads, lay.head_dim, device=device).to(dtype)
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:n]
+    slots[::7] = -1  # padding rows are skipped
+    k2, v2 = key_cache.clone(), value_cache.clone()
+    tri.store_kv(key, value, key_cache, value_cache, slots, **tile_kwargs(tri.store_kv))
+    ref.store_kv(key, value, k2, v2, slots)
+    exact = torch.equal(key_cache, k2) and torch.equal(value_cache, v2)
+    return float((key_cache.float() - k2.float()).abs().max()), exact
+
+
+def _rms_norm(residual: bool) -> Callable[..., tuple[float, bool]]:
+    def run(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+        x = torch.randn(sizes.tokens, lay.hidden, device=device).to(dtype)
+        weight = torch.randn(lay.hidden, device=device).to(dtype)
+        res = torch.randn_like(x) if residual else None
+        got = tri.rms_norm(x, weight, 1e-5, res, **tile_kwargs(tri.rms_norm))
+        want = ref.rms_norm(x, weight, 1e-5, res)
+        if not residual:
+            return _compare(got, want, dtype)
+        err_out, ok_out = _compare(got[0], want[0], dtype)
+        err_res, ok_res = _compare(got[1], want[1], dtype)
+        return max(err_out, err_res), ok_out and ok_res
+    return run
+
+
+def _rotary(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+    inv = 1.0 / (10000 ** (torch.arange(0, lay.head_dim, 2, device=device).float() / lay.head_dim))
+    freqs = torch.outer(torch.arange(sizes.max_position, device=device).float(), inv)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    positions = torch.randint(0, sizes.max_position, (sizes.tokens,), device=device)
+    q = torch.randn(sizes.tokens, lay.heads, lay.head_dim, device=device).to(dtype)
+    k = torch.randn(sizes.tokens, lay.kv_heads, lay.head_dim, device=device).to(dtype)
+    q2, k2 = q.clone(), k.clone()
+    tri.rotary_embedding(q, k, positions, cache, **tile_kwargs(tri.rotary_embedding))
+    ref.rotary_embedding(q2, k2, positions, cache)
+    err_q, ok_q = _compare(q, q2, dtype)
+    err_k, ok_k = _compare(k, k2, dtype)
+    return max(err_q, err_k), ok_q and ok_k
+
+
+def _silu_and_mul(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype,
+                  device: str) -> tuple[float, bool]:
+    x = torch.randn(sizes.tokens // 2, 2 * lay.intermediate, device=device).to(dtype)
+    return _compare(tri.silu_and_mul(x, **tile_kwargs(tri.silu_and_mul)), ref.silu_and_mul(x), dtype)
+
+
+def _prefill(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+    contexts, queries = sizes.prefill_contexts, sizes.prefill_queries
+    key_cache, value_cache, table = paged_context(contexts, lay.kv_heads, lay.head_dim, dtype, device)
+    q = torch.randn(sum(queries), lay.heads, lay.head_dim, device=device).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    scale = lay.head_dim**-0.5
+    got = tri.prefill_attention(q, key_cache, value_cache, table, cu, seq_lens, scale, max(queries),
+                                **tile_kwargs(tri.prefill_attention))
+    want = ref.prefill_attention(q.float(), key_cache.float(), value_cache.float(), table, cu, seq_lens, scale)
+    return _compare(got, want, dtype)
+
+
+def _decode(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+    contexts = sizes.decode_contexts
+    key_cache, value_cache, table = paged_context(contexts, lay.kv_heads, lay.head_dim, dtype, device)
+    q = torch.randn(len(contexts), lay.heads, lay.head_dim, device=device).to(dtype)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    scale = lay.head_dim**-0.5
+    got = tri.decode_attention(q, key_cache, value_cache, table, seq_lens, scale,
+                               **tile_kwargs(tri.decode_attention))
+    want = ref.decode_attention(q.float(), key_cache.float(), value_cache.float(), table, seq_lens, scale)
+    return _compare(got, want, dtype)
+
+
+OPS: dict[str, Callable[..., tuple[float, bool]]] = {
+    "store_kv": _store_kv,
+    "rms_norm": _rms_norm(residual=False),
+    "rms_norm+residual": _rms_norm(residual=True),
+    "rotary_embedding": _rotary,
+    "silu_and_mul": _silu_and_mul,
+    "prefill_attention": _prefill,
+    "decode_attention": _decode,
+}
+
+
+def check_kernels(smoke: bool) -> Outcome:
+    """Run every op for every layout and dtype; each case on its own (one that raises fails alone)."""
+    from tritium.kernels import reference as ref
+    from tritium.kernels import triton_ops as tri
+
+    if smoke:
+        device, layouts, dtypes, sizes = "cpu", [DEFAULT_LAYOUT], [torch.float32, torch.float16], SMOKE_SIZES
+    else:
+        device, layouts, dtypes, sizes = "cuda", [DEFAULT_LAYOUT, LLAMA_8B_LAYOUT], [torch.float16,
+                                                                                    torch.bfloat16], GPU_SIZES
+    torch.manual_seed(0)
+    plan = [(op, lay, dtype) for lay in layouts for dtype in dtypes for op in OPS]
+    cases: list[Case] = []
+    for op, lay, dtype in tqdm(plan, desc="kernels vs reference", unit="case"):
+        case = Case(op, lay.name, str(dtype).removeprefix("torch."))
+        try:
+            case.max_abs_err, case.ok = OPS[op](tri, ref, lay, sizes, dtype, device)
+        except Exception as exc:  # one broken kernel must not hide the others
+            case.error = f"{type(exc).__name__}: {exc}"[:300]
+        cases.append(case)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    failed = [c for c in cases if not c.ok]
+    tiles = ("gpu" if tile_kwargs(tri.prefill_attention) else "gpu (the CUDA default)" if device == "cuda"
+             else "the interpreter's (the kernels take no tiles argument yet)")
+    worst = max((c for c in cases if c.max_abs_err is not None), key=lambda c: c.max_abs_err or 0.0, default=None)
+    names = ", ".join(lay.name for lay in layouts)
+    summary = (f"{len(cases) - len(failed)}/{len(cases)} cases within tolerance ({names}; "
+               f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}; tiles {tiles})")
+    if failed:
+        summary += "; failed: " + ", ".join(f"{c.op} {c.layout} {c.dtype}" for c in failed[:4])
+    figures = {"device": device, "tiles": tiles, "tolerance": {str(k).removeprefix("torch."): v
+                                                               for k, v in TOLERANCE.items()},
+               "worst": f"{worst.op} {worst.layout} {worst.dtype}: {worst.max_abs_err:.2e}" if worst else None,
+               "cases": [vars(c) for c in cases]}
+    return Outcome(FAIL if failed else PASS, summary, figures)

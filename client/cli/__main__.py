@@ -1,0 +1,3 @@
+from tritium.client.cli.main import main
+
+raise SystemExit(main())
