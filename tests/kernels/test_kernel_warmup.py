@@ -1,0 +1,150 @@
+"""kernels/warmup.py: the warm-up runs with both ops modules, and the kernel variants serving steps launch
+(any token count, batch, block-table width, decode split count) are all among the warm-up's, as the JIT
+would key them on an sm_90 GPU: after warm-up, nothing compiles while serving."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tritium.backend import LLM, SamplingParams
+from tritium.kernels import reference, triton_ops
+from tritium.kernels.compile_check import MODELS, Launch, ModelShape, Specializer, Variant, recording
+from tritium.kernels.decode_attention import SPLIT_CHOICES
+from tritium.kernels.token_bitmask import apply_token_bitmask
+from tritium.kernels.warmup import EngineShape, warm_up, warmup_calls
+
+from support.checkpoints import save_tiny
+
+TINY = EngineShape(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=64, intermediate_size=128, rotary_dim=32,
+                   block_size=16, max_blocks_per_seq=4, dtype=torch.float32, vocab_size=1000)
+
+
+def test_warm_up_with_the_reference_ops() -> None:
+    assert warm_up(reference, TINY) == 9  # seven ops (rms_norm twice, the token bitmask twice), decode once
+
+
+def test_warm_up_with_the_triton_ops_under_the_interpreter() -> None:
+    assert warm_up(triton_ops, TINY) == 8 + len(SPLIT_CHOICES)
+
+
+def test_the_warm_up_applies_the_token_bitmask_at_the_vocab_size() -> None:
+    calls = [c for c in warmup_calls(TINY) if c.op == "apply_token_bitmask"]
+    assert [c.args[2].dtype for c in calls] == [torch.int32, torch.int64]
+    assert all(c.args[0].shape[1] == 1000 and c.args[0].dtype == torch.float32 for c in calls)
+    assert all(c.args[1].shape[1] == 32 and c.args[1].dtype == torch.int32 for c in calls)
+    assert EngineShape(4, 2, 32, 64, 128, 32, 16, 4, torch.float32).vocab_size == 49152  # the default model's
+    assert triton_ops.apply_token_bitmask is apply_token_bitmask
+
+
+def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], prefill: list[tuple[int, int]],
+                fused: bool = True) -> None:
+    """The op calls of one layer of one engine step (tiles="gpu", as on CUDA): decode rows first, then
+    prefill chunks given as (query tokens, context length). Like the engine's, the int32 step inputs are
+    views at any offset of one staging buffer."""
+    block = 16
+    nd = len(decode_lens)
+    q_lens = [q for q, _ in prefill]
+    n = nd + sum(q_lens)
+    staging = torch.zeros(4 * n + 3 * len(prefill) + 16, dtype=torch.int32)
+    offset = 1
+
+    def stage(count: int) -> torch.Tensor:
+        nonlocal offset
+        offset += count + 1
+        return staging[offset - count - 1 : offset - 1]
+
+    h, kvh, d = model.heads, model.kv_heads, model.head_dim
+    x = torch.zeros(n, model.hidden, dtype=dtype)
+    weight = torch.ones(model.hidden, dtype=dtype)
+    triton_ops.rms_norm(x, weight, 1e-5, tiles="gpu")
+    triton_ops.rms_norm(x, weight, 1e-5, x.clone(), tiles="gpu")
+    qkv = torch.zeros(n, (h + 2 * kvh) * d, dtype=dtype)
+    q = qkv[:, : h * d].view(n, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d)
+    v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
+    if not fused:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cos_sin_cache = torch.zeros(4096, model.rotary_dim)
+    triton_ops.rotary_embedding(q, k, stage(n), cos_sin_cache, tiles="gpu")
+    key_cache = torch.zeros(64, block, kvh, d, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    triton_ops.store_kv(k, v, key_cache, value_cache, stage(n), tiles="gpu")
+    table = torch.zeros(8, 600, dtype=torch.int32)  # the engine's persistent block-table rows
+    if nd:
+        width = max(-(-c // block) for c in decode_lens)
+        tables = table.index_select(0, torch.zeros(nd, dtype=torch.int64))[:, :width]
+        seq_lens = stage(nd)
+        seq_lens.copy_(torch.tensor(decode_lens))
+        triton_ops.decode_attention(q[:nd], key_cache, value_cache, tables, seq_lens, 0.1, tiles="gpu")
+    if prefill:
+        width = max(-(-c // block) for _, c in prefill)
+        tables = table.index_select(0, torch.zeros(len(prefill), dtype=torch.int64))[:, :width]
+        cu = stage(len(prefill) + 1)
+        cu.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()]))
+        seq_lens = stage(len(prefill))
+        seq_lens.copy_(torch.tensor([c for _, c in prefill]))
+        triton_ops.prefill_attention(q[nd:], key_cache, value_cache, tables, cu, seq_lens, 0.1, max(q_lens),
+                                     tiles="gpu")
+    triton_ops.silu_and_mul(torch.zeros(n, 2 * model.intermediate, dtype=dtype), tiles="gpu")
+    # Structured output: some of the step's sampled rows constrained, their logits rows staged like the
+    # other step inputs (int32) or given as int64; the bitmask is as wide as the grammar engine's tokenizer
+    # (not always V / 32) and may be rows of a persistent buffer.
+    num_seqs = nd + len(prefill)
+    logits = torch.zeros(num_seqs, model.vocab)
+    bitmasks = torch.zeros(num_seqs + 1, model.vocab // 32 - 3, dtype=torch.int32)
+    for count in {1, num_seqs}:
+        rows = stage(count)
+        rows.copy_(torch.arange(count))
+        apply_token_bitmask(logits, bitmasks[1 : 1 + count], rows, tiles="gpu")
+        apply_token_bitmask(logits, torch.zeros(count, -(-model.vocab // 32), dtype=torch.int32),
+                            torch.arange(count), tiles="gpu")
+
+
+def variants(launches: list[Launch]) -> set[Variant]:
+    spec = Specializer(90)
+    return {spec.variant(launch) for launch in launches}
+
+
+@pytest.mark.parametrize("model", [MODELS[0], MODELS[4]], ids=lambda m: m.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_serving_launches_nothing_the_warm_up_did_not_compile(model: ModelShape, dtype: torch.dtype) -> None:
+    with recording() as warm:
+        for call in warmup_calls(model.engine_shape(dtype, block_size=16, max_blocks_per_seq=8)):
+            getattr(triton_ops, call.op)(*call.args, **call.kwargs, tiles="gpu")
+    with recording() as serving:
+        engine_step(model, dtype, [1], [])  # one token: counts and the block-table width equal 1
+        engine_step(model, dtype, [], [(1, 1)])
+        engine_step(model, dtype, [], [(16, 16), (32, 32)])  # counts that are multiples of 16
+        engine_step(model, dtype, [5, 17, 33], [(17, 40)])  # a mixed batch: q[nd:] starts mid-tensor
+        engine_step(model, dtype, [4000] * 5, [])  # long contexts: several splits
+        engine_step(model, dtype, [300, 9000], [], fused=False)
+        engine_step(model, dtype, [30] * 64, [(100, 300)], fused=False)
+        for splits in SPLIT_CHOICES[1:]:
+            engine_step(model, dtype, [splits * 256], [])
+    warmed = variants(warm)
+    served = variants(serving)
+    assert served <= warmed, sorted({(v.kernel, v.equal_to_1, v.divisible_by_16) for v in served - warmed})
+    reduce_splits = {v.constexpr_values()["SPLITS"] for v in served if v.kernel == "decode_reduce_kernel"}
+    assert {1, 2, 4, 8} <= reduce_splits <= set(SPLIT_CHOICES)  # 32 KV heads fill the GPU with 8 splits
+
+
+def test_an_engine_serves_only_variants_its_warm_up_launched(
+    make_llm: Callable[..., LLM], tmp_path: Path, default_model_path: Path
+) -> None:
+    # The real engine through the Triton kernels (interpreter: tiles "auto" is "small" on both sides).
+    path = save_tiny("llama", tmp_path, default_model_path, num_hidden_layers=1, hidden_size=64,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+    with recording(run=True) as warm:  # the engine's own warm-up, at start
+        llm = make_llm(str(path), attention_backend="triton", kv_cache_bytes=1 << 20, max_num_seqs=4,
+                       max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [list(range(100, 140)), [5], [6, 7, 8], list(range(200, 217))]
+    with recording(run=True) as served:
+        llm.generate(prompts, params)
+    assert {v.kernel for v in variants(warm)} >= {"decode_reduce_kernel", "prefill_attention_kernel"}
+    new = variants(served) - variants(warm)
+    assert not new, sorted({(v.kernel, v.equal_to_1, v.divisible_by_16) for v in new})

@@ -1,0 +1,74 @@
+"""Scheduler: token budget, seats, chunked prefill and preemption, without a model."""
+
+from __future__ import annotations
+
+from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
+from tritium.backend.core.sequence import SequenceStatus
+
+from support.builders import seq
+
+
+def advance(sched: Scheduler, out: SchedulerOutput, next_token: int = 7) -> None:
+    """What the engine does after a step: the scheduler's own update, with `next_token` sampled."""
+    sched.update(out, [next_token] * len(out.sampling))
+
+
+def test_budget_and_chunked_prefill() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = seq(list(range(7)), "a"), seq(list(range(20)), "b")
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 7), ("b", 3)]
+    assert out.scheduled[0].samples and not out.scheduled[1].samples
+    advance(sched, out)
+    out = sched.schedule()  # a decodes (1 token), b continues its prefill with the rest of the budget
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    advance(sched, out)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 8)]
+    assert out.scheduled[1].samples
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(seq([1, 2, 3], f"r{i}"))
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 1
+    sched.finish(out.scheduled[0].seq, "stop")
+    advance(sched, out)
+    out = sched.schedule()
+    assert {s.seq.request_id for s in out.scheduled} == {"r1", "r2"}
+
+
+def test_no_chunking_waits_for_budget() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    sched.add(seq([1] * 5, "a"))
+    sched.add(seq([2] * 5, "b"))
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["a"]  # b does not fit whole into 3 tokens
+    assert sched.blocks.num_free_blocks == 64 - 2
+
+
+def test_preempts_newest_when_blocks_run_out() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq([1] * 8, "a"), seq([2] * 7, "b")
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and bm.num_free_blocks == 0
+    advance(sched, out)
+    # a now has 9 tokens and needs a third block: b (newest) is preempted and requeued first.
+    out = sched.schedule()
+    assert out.preempted == [b] and [s.seq for s in out.scheduled] == [a]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
+    assert sched.num_preemptions == 1
+    advance(sched, out)
+    sched.finish(a, "stop")
+    out = sched.schedule()
+    # Recompute prompt + output, less b's first block, which the update committed to the prefix cache.
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 4)] and b.num_cached_tokens == 4
+    assert out.scheduled[0].samples
