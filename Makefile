@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup serve run test lint bench soak gpu-check gpu-check-smoke clean
+.PHONY: setup serve run test test-fast lint bench soak gpu-check gpu-check-smoke clean
 
 setup: $(VENV)/.installed
 	$(BIN)/tritium models --prepare
@@ -28,7 +28,11 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 
 test: setup lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+# The inner loop: no tritonserver, nothing slow (<= 3 minutes here).
+test-fast: setup
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow and not soak"
 
 bench: setup
 	$(BIN)/tritium bench offline
@@ -36,7 +40,7 @@ bench: setup
 # The full soak: 200 concurrent streams in waves for 10 minutes; the report goes to bench_results/soak.json.
 soak: setup
 	TRITIUM_SOAK_SECONDS=$${TRITIUM_SOAK_SECONDS:-600} TRITIUM_SOAK_REPORT=bench_results/soak.json \
-		$(BIN)/python -m pytest tests/test_load.py -m soak -s
+		$(BIN)/python -m pytest tests/server/test_load.py -m soak -s
 
 # On a CUDA GPU, ~5 minutes: kernels vs references, greedy parity, sync-free decode steps, kernel and throughput
 # benchmarks and the performance goals; results in bench_results/gpu_check/ (gpu_check.json, gpu_check.png).

@@ -73,3 +73,18 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
         assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
         assert all(r == 0 for r in bm.ref_counts)
         assert engine.runner.block_tables.rows_in_use == 0, "block-table rows leaked"
+
+
+TIERS = ("unit", "kernels", "engine", "server")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The folder sets a test's tier: tests/<tier>/ marks it `<tier>`; a server test is also `slow` (it starts a
+    tritonserver), so `-m "not slow"` is the inner loop without servers."""
+    root = Path(__file__).parent
+    for item in items:
+        tier = Path(item.fspath).relative_to(root).parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+            if tier == "server":
+                item.add_marker(pytest.mark.slow)

@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from tritium.client.triton.repository import PACKAGE_REPOSITORY
+
 SHM_PREFIX = "tritium_"
 STUB_NAME = "triton_python_backend_stub"
-PACKAGE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
 # Health (live, ready, model ready) is always open; metrics has its own port. With a key, the inference key
 # guards the read-only APIs (INFERENCE_APIS) and the admin key the ones that change the server (ADMIN_APIS).
 INFERENCE_APIS = "metadata,inference,model-config,statistics"

@@ -1,0 +1,59 @@
+"""Triton model repositories: the packaged one, and copies of its models with their own `model.json`.
+
+The launcher serves `PACKAGE_REPOSITORY`; benchmarks and tests that need other settings write a repository
+here, never by hand, so what they serve is the packaged model with only the settings they name changed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PACKAGE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+_IGNORE = shutil.ignore_patterns("__pycache__")
+
+
+def packaged_settings(model: str = "tritium", version: int = 1) -> dict[str, Any]:
+    """The packaged model's `model.json` (version `version`) as a dict."""
+    return json.loads((PACKAGE_REPOSITORY / model / str(version) / "model.json").read_text(encoding="utf-8"))
+
+
+def write_model(repository: Path, settings: Mapping[str, Any] | None = None, *, name: str = "tritium",
+                source: str = "tritium", versions: Mapping[int, Mapping[str, Any]] | None = None) -> Path:
+    """Copy the packaged model `source` into `repository/name` and return that folder.
+
+    `settings` update version 1's `model.json` (None keeps it as packaged). `versions` ({number: settings})
+    writes those versions instead, each a copy of version 1 with its settings applied over the packaged ones.
+    A model named other than `source` keeps the packaged config.pbtxt, whose `name` Triton ignores.
+    """
+    dest = repository / name
+    src = PACKAGE_REPOSITORY / source
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "config.pbtxt", dest / "config.pbtxt")
+    base = packaged_settings(source)
+    for version, overrides in (versions or {1: settings or {}}).items():
+        folder = dest / str(version)
+        shutil.copytree(src / "1", folder, ignore=_IGNORE, dirs_exist_ok=True)
+        (folder / "model.json").write_text(json.dumps(base | dict(overrides), indent=2), encoding="utf-8")
+    return dest
+
+
+def one_model_repository(dest: Path, settings: Mapping[str, Any] | None = None, name: str = "tritium") -> Path:
+    """A repository at `dest` holding only the packaged text model (as `name`) with `settings` applied."""
+    write_model(dest, settings, name=name)
+    return dest
+
+
+def copy_with_settings(dest: Path, overrides: Mapping[str, Mapping[str, Any]],
+                       source: Path = PACKAGE_REPOSITORY) -> Path:
+    """A copy of the whole repository `source` at `dest`, each named model's version-1 `model.json` updated
+    with its overrides ({model: settings}); models not named are copied as they are."""
+    shutil.copytree(source, dest, ignore=_IGNORE, dirs_exist_ok=True)
+    for model, settings in overrides.items():
+        path = dest / model / "1" / "model.json"
+        path.write_text(json.dumps(json.loads(path.read_text(encoding="utf-8")) | dict(settings), indent=2),
+                        encoding="utf-8")
+    return dest
