@@ -24,8 +24,15 @@ serve: setup
 run: setup
 	$(BIN)/tritium generate --local --chat --temperature 0 --max-tokens 64 "$(PROMPT)"
 
+# mypy --strict (settings in pyproject.toml) over tritium.backend and tritium.kernels, read through a package view
+# (build/mypy/tritium/{backend,kernels} link to backend/ and kernels/, which pyproject maps to those names).
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+	mkdir -p build/mypy/tritium
+	ln -sfn ../../../backend build/mypy/tritium/backend
+	ln -sfn ../../../kernels build/mypy/tritium/kernels
+	touch build/mypy/tritium/__init__.py
+	$(BIN)/mypy
 
 test: setup lint
 	$(BIN)/python -m pytest -n 2 --dist loadfile

@@ -1,8 +1,8 @@
-"""Engine settings and the plain data the engine returns."""
+"""Engine settings: `EngineConfig` and its defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -74,36 +74,14 @@ class EngineConfig:
             raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
 
     def torch_device(self) -> torch.device:
+        """The device `device` names; "auto" is CUDA when there is one, else the CPU."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The weights' and KV cache's dtype on `device`; "auto" is bfloat16 on CUDA, float32 elsewhere."""
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
-
-@dataclass
-class RequestOutput:
-    """What one step changed for one request: delta-only, so the work per output does not grow with the
-    length of the generation. `delta_text`, `delta_token_ids` and `delta_logprobs` are new since this
-    request's previous output. The final output (`finished`) also carries the totals: `text`, `token_ids`
-    and `logprobs` hold the whole generation there and are empty (None for logprobs) on every other output.
-    finish_reason: "stop", "length", "abort" or "error" (then `error` says why)."""
-
-    request_id: str
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_input_tokens: int
-    num_output_tokens: int  # generated so far, this output's included
-    num_cached_tokens: int
-    delta_logprobs: list[dict[int, float]] | None = None
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    prompt: str | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    error: str | None = None

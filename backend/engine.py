@@ -6,45 +6,30 @@ import logging
 import time
 from dataclasses import dataclass
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, RequestOutput
+from tritium.backend.config import EngineConfig
 from tritium.backend.core.block_manager import BlockManager
 from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.core.stop_checker import StopChecker
-from tritium.backend.models.config import ModelConfig, check_attention_backend
-from tritium.backend.models.loader import load_model
+from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.output_processor import OutputProcessor
-from tritium.backend.sample.sampler import Sampler, SamplerOutput, stage_random_rows
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.structured_output.compiler import CompileCallback, GrammarCompiler
-from tritium.backend.structured_output.decoding import StructuredDecoding, Verdict
+from tritium.backend.structured_output.decoding import StructuredDecoding
 from tritium.backend.testing.faults import FaultInjector
 from tritium.backend.tokenizer import Tokenizer
-from tritium.backend.worker.attention import get_attention_backend, resolve_backend_name
-from tritium.backend.worker.memory_budget import (
-    check_fits_one_sequence,
-    check_free_memory,
-    estimate_activation_bytes,
-    kv_cache_budget,
-    module_bytes,
-)
-from tritium.backend.worker.model_runner import ModelRunner, kv_bytes_per_block
+from tritium.backend.worker.model_runner import ModelRunner
+from tritium.backend.worker.worker import StepResult, Worker
+
+if TYPE_CHECKING:
+    import llguidance
 
 logger = logging.getLogger(__name__)
-NOT_CONSTRAINED = Verdict()
-
-
-def use_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device (CUDA's current device is per thread, and Triton
-    kernels and graph capture use it, not their tensors' device). A no-op for a CPU, an index-less "cuda" or
-    when it already is."""
-    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
-        torch.cuda.set_device(device)
+MODEL_STEP_FAILED = "the model step failed"
 
 
 @dataclass
@@ -53,82 +38,82 @@ class EngineStats:
 
     steps: int = 0
     step_s: float = 0.0
-    model_s: float = 0.0  # the forward pass and sampling
+    model_s: float = 0.0  # the worker's step: the forward pass and sampling
     update_s: float = 0.0  # the scheduler's bookkeeping, detokenizing, building outputs
     scheduled_tokens: int = 0
     running_seqs: int = 0  # summed over steps: divided by steps, the mean batch size
 
     @property
     def overhead_s(self) -> float:
+        """Seconds of the steps spent outside the worker."""
         return self.step_s - self.model_s
+
+    def add(self, batch: SchedulerOutput, start: float, executed: float, updated: float, end: float) -> None:
+        """Count one step (perf_counter times): its start, the worker's start and end, the step's end."""
+        self.steps += 1
+        self.model_s += updated - executed
+        self.scheduled_tokens += batch.num_tokens
+        self.running_seqs += len(batch.scheduled)
+        self.update_s += end - updated
+        self.step_s += end - start
 
 
 class LLMEngine:
+    """Requests in, delta outputs out: the scheduler, the worker and the text side, driven by `step`."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = config.torch_device()
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        use_device(self.device)  # this thread's kernels, graphs and allocations go there
-        self.dtype = config.torch_dtype(self.device)
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer(self.model_path)
-        backend = get_attention_backend(config.attention_backend, self.device)
-        # Before the weights load: a head size the attention backend cannot run is refused at once.
-        check_attention_backend(ModelConfig.from_folder(self.model_path),
-                                resolve_backend_name(config.attention_backend, self.device))
-        model = load_model(self.model_path, self.dtype, self.device, config.max_model_len)
-        self.model_config = model.config
-        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        num_blocks = self._num_blocks(model)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        use_graphs = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
-        self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype, self.device,
-                                  config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, use_graphs)
-        self.eos_token_ids = list(model.config.eos_token_ids)
+        # The worker's grammar matchers need the compiler, so it is built from the checkpoint's config before
+        # the weights load.
+        checkpoint = ModelConfig.from_folder(self.model_path)
+        self.grammars = GrammarCompiler(self.tokenizer, checkpoint.eos_token_ids,
+                                        cache_bytes=config.grammar_cache_bytes)
+        self.worker = Worker(config, self.model_path, self.grammars)
+        self.device, self.dtype = self.worker.device, self.worker.dtype
+        self.model_config = self.worker.model_config
+        self.max_model_len = self.worker.max_model_len
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             StopChecker(self.eos_token_ids),
         )
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
-        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids, cache_bytes=config.grammar_cache_bytes)
-        self.structured = StructuredDecoding(self.grammars, self.device, config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = count()
         self._pending: list[RequestOutput] = []
-        self.faults = FaultInjector.from_env()
-        self.warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
+        graphs = self.worker.graphs.buckets
         logger.info(
             "tritium engine: %s, %s on %s, %s attention, %d KV blocks of %d tokens, %s; warm-up %.2f s",
-            self.model_path, self.dtype, self.device, backend.name, num_blocks, config.block_size,
-            f"decode graphs for batch sizes {self.runner.graphs.buckets}" if use_graphs else "eager", self.warm_up_s,
+            self.model_path, self.dtype, self.device, self.runner.backend.name, self.worker.num_blocks,
+            config.block_size, f"decode graphs for batch sizes {graphs}" if graphs else "eager", self.worker.warm_up_s,
         )
 
-    def _num_blocks(self, model: torch.nn.Module) -> int:
-        """KV blocks for this engine: kv_cache_bytes when set, else 1 GiB on a CPU and on CUDA its share
-        (gpu_memory_utilization) of the device less weights, activations and overhead (memory_budget.py).
-        Raises ValueError (numbers in it) when that cannot hold one sequence of max_model_len tokens."""
-        cfg = self.config
-        per_block = kv_bytes_per_block(model, cfg.block_size, self.dtype)
-        weights = module_bytes(model)
-        budget = cfg.kv_cache_bytes
-        if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            activations = estimate_activation_bytes(
-                self.model_config, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize
-            )
-            budget = kv_cache_budget(total, cfg.gpu_memory_utilization, weights, activations)
-            check_free_memory(budget, activations, free, cfg.gpu_memory_utilization)
-        elif budget is None:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // per_block
-        check_fits_one_sequence(num_blocks, cfg.block_size, per_block, self.max_model_len, weights)
-        return num_blocks
+    @property
+    def runner(self) -> ModelRunner:
+        """The worker's model runner (tests and benchmarks look inside)."""
+        return self.worker.runner
+
+    @property
+    def structured(self) -> StructuredDecoding:
+        """The worker's matchers of the running constrained requests."""
+        return self.worker.structured
+
+    @property
+    def faults(self) -> FaultInjector:
+        """The test-only faults: a step's (`check`, run by the worker) and the serving loop's (`check_loop`)."""
+        return self.worker.faults
+
+    @faults.setter
+    def faults(self, faults: FaultInjector) -> None:
+        self.worker.faults = faults
 
     @property
     def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache holds in all."""
         return self.block_manager.num_blocks * self.config.block_size
 
     def add_request(
@@ -137,7 +122,7 @@ class LLMEngine:
         prompt: str | None = None,
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
-        matcher: Any = None,
+        matcher: llguidance.LLMatcher | None = None,
     ) -> None:
         """Queue a request (text `prompt` or `prompt_token_ids`). `matcher`: its structured output compiled
         already (`compile_structured_output`); without it the grammar is compiled here. Raises ValueError
@@ -153,11 +138,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params)
-        if params.structured_output is not None:
-            self.structured.add(request_id, params.structured_output, matcher)
+        self.worker.add_request(request_id, params, matcher)
         seq = Sequence(request_id, prompt, ids, params, next(self._arrivals))
         self.outputs.add(seq)
-        self.sampler.add_request(request_id, params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -224,73 +207,44 @@ class LLMEngine:
             self._pending.append(self.outputs.error_output(seq, "aborted", reason="abort"))
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued or running, or an output waits for the next `step`."""
         return bool(self.requests) or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
-        """One step: schedule -> execute (forward pass and sampling) -> update (the scheduler's bookkeeping,
-        then text and outputs). Returns an output for every request that changed: delta-only, the final
-        one with the totals."""
-        t0 = time.perf_counter()
+        """One step: schedule -> execute (the worker: forward pass and sampling) -> update (the scheduler's
+        bookkeeping, then text and outputs). Returns an output for every request that changed: delta-only,
+        the final one with the totals."""
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return outputs
-        t_model = time.perf_counter()
-        use_device(self.device)  # the serving loop steps on a thread of its own
-        sampled = self._execute(batch)
-        t_update = time.perf_counter()
-        if sampled is None:  # the forward pass failed: fail only the requests of this step; the engine goes on
-            for s in batch.scheduled:
-                self._end(s.seq, "error")
-                outputs.append(self.outputs.error_output(s.seq, "the model step failed"))
-            return outputs
-        verdicts = self.structured.accept(batch.sampling, sampled.token_ids)
-        for row, verdict in verdicts.items():
-            if verdict.error is not None:
-                sampled.token_ids[row], sampled.errors[row] = None, verdict.error
-        self.scheduler.update(batch, sampled.token_ids)
-        for row, (seq, token, logprobs, error) in enumerate(zip(batch.sampling, sampled.token_ids, sampled.logprobs,
-                                                                 sampled.errors, strict=True)):
-            outputs.append(self._process(seq, token, logprobs, error, verdicts.get(row, NOT_CONSTRAINED)))
-        stats = self.stats
-        stats.steps += 1
-        stats.model_s += t_update - t_model
-        stats.scheduled_tokens += batch.num_tokens
-        stats.running_seqs += len(batch.scheduled)
-        now = time.perf_counter()
-        stats.update_s += now - t_update
-        stats.step_s += now - t0
+        executed = time.perf_counter()
+        result = self.worker.execute(batch)
+        updated = time.perf_counter()
+        outputs += self._update(batch, result)
+        if not result.failed:
+            self.stats.add(batch, start, executed, updated, time.perf_counter())
         return outputs
 
-    def _execute(self, batch: SchedulerOutput) -> SamplerOutput | None:
-        """The forward pass and sampling; None when the forward pass failed (logged)."""
-        for seq in batch.preempted:  # readmitted later with new blocks: a new row then
-            self.runner.release(seq.request_id)
-        staging = self.runner.staging
-        pending_masks = self.structured.start(batch.sampling)  # computed while the forward pass runs
-        try:
-            self.faults.check(s.seq.prompt for s in batch.scheduled)
-            staging.begin()
-            step = self.runner.prepare(batch.scheduled)
-            random = stage_random_rows(staging, batch.sampling)
-            staging.upload()
-            logits = self.runner.execute(step)
-        except Exception:
-            logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
-            self.structured.wait(pending_masks)  # the worker must be done with the buffer before the next step
-            return None
-        masks = self.structured.wait(pending_masks)
-        if not batch.sampling:
-            return SamplerOutput([], [], [])
-        return self.sampler(logits, batch.sampling, random.tensors(staging) if random is not None else None, masks)
+    def _update(self, batch: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """The scheduler's bookkeeping after `batch` ran, then an output per sequence that sampled; when the
+        forward pass failed, an error output for every scheduled sequence (the engine goes on)."""
+        if result.failed:
+            for s in batch.scheduled:
+                self._end(s.seq, "error")
+            return [self.outputs.error_output(s.seq, MODEL_STEP_FAILED) for s in batch.scheduled]
+        self.scheduler.update(batch, result.token_ids)
+        return [self._process(seq, result, row) for row, seq in enumerate(batch.sampling)]
 
-    def _process(self, seq: Sequence, token: int | None, logprobs: dict[int, float] | None,
-                 error: str | None, verdict: Verdict) -> RequestOutput:
-        """The output of a sequence that sampled (the scheduler already appended `token`): text, stop strings,
-        a complete grammar; whatever fails here ends this request alone with an error."""
+    def _process(self, seq: Sequence, result: StepResult, row: int) -> RequestOutput:
+        """The output of a sequence that sampled (the scheduler already appended its token, `result`'s `row`):
+        text, stop strings, a complete grammar; whatever fails here ends this request alone with an error."""
+        token, error = result.token_ids[row], result.errors[row]
         if error is None and token is not None:
             try:
-                if self.outputs.append_token(seq, token, logprobs) or seq.finished or verdict.complete:
+                stop_string = self.outputs.append_token(seq, token, result.logprobs[row])
+                if stop_string or seq.finished or result.grammar_complete[row]:
                     self._end(seq, "stop")  # a stop string, the grammar's end, or the scheduler's stop (its reason)
                 return self.outputs.output(seq)
             except Exception:
@@ -301,13 +255,8 @@ class LLMEngine:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """Finish `seq` with `reason` unless it already finished (the scheduler's reason then stands), and drop
-        the engine's own state of it."""
+        the engine's and the worker's state of it."""
         if not seq.finished:
             self.scheduler.finish(seq, reason)
-        self._forget(seq)
-
-    def _forget(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
-        self.sampler.remove_request(seq.request_id)
-        self.structured.remove(seq.request_id)
-        self.runner.release(seq.request_id)
+        self.worker.release(seq.request_id)

@@ -7,8 +7,9 @@ from itertools import count
 
 from tqdm import tqdm
 
-from tritium.backend.config import EngineConfig, RequestOutput
+from tritium.backend.config import EngineConfig
 from tritium.backend.engine import LLMEngine
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.sampling_params import SamplingParams
 
 Prompt = str | list[int]

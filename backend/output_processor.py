@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tritium.backend.config import RequestOutput
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.core.stop_checker import StopStrings
 from tritium.backend.detokenizer import IncrementalDetokenizer
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.tokenizer import Tokenizer
 
 

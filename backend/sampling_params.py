@@ -91,6 +91,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether this request takes the most likely token (a temperature below GREEDY_BELOW_TEMPERATURE)."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def _validate(self) -> None:

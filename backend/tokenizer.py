@@ -99,12 +99,15 @@ class Tokenizer:
         return self._tok
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids `ids`."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of vocabulary entry `token`; None when there is none."""
         return self._tok.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id`; None outside the vocabulary."""
         return self._tok.id_to_token(token_id)
 
     def user_turn(self, text: str) -> str:

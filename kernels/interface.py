@@ -1,6 +1,8 @@
 """The kernel interface: what an attention backend's ops module provides. `tritium.kernels.reference`
-(plain torch) and `tritium.kernels.triton_ops` (Triton) both implement it; tests/test_kernel_interface.py
-checks their signatures against this Protocol.
+(plain torch) and `tritium.kernels.triton_ops` (Triton) both implement it: mypy checks both modules against
+this Protocol (kernels/conformance.py: parameter kinds, types, defaults and return types; mypy does not compare
+the names of positional parameters), and tests/kernels/test_kernel_interface.py checks their parameter names
+and default values.
 
 Shapes: packed tokens first; caches are `[num_blocks, block_size, num_kv_heads, head_dim]`; block tables
 int32 `[num_seqs, max_blocks]`; `slot_mapping` `[num_tokens]` (block * block_size + offset, -1 skips).

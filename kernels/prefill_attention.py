@@ -5,7 +5,8 @@ Sequence i owns query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, the last positio
 prefix-cache hits. A program takes one KV head of one sequence and a tile of BLOCK_M rows, where a
 row is a (query position, query head of that KV head's group) pair, so `tl.dot` gets full tiles even
 for small GQA groups. Keys are visited tile by tile (online softmax, fp32 accumulation): tiles left
-of the diagonal need no mask, tiles past the last query position are never visited.
+of the diagonal need no mask, tiles past the last query position are never visited. The @triton.jit
+bodies are in kernels/jit/prefill_attention.py.
 
 Specialization: the only int that changes from step to step, stride_bt (the block-table width, 1 for a
 one-block batch), is `do_not_specialize`; token and sequence counts live in the grid and in tensors. The
@@ -22,79 +23,9 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
+from tritium.kernels.jit.prefill_attention import prefill_attention_kernel
 from tritium.kernels.tiles import use_gpu_tiles
-
-
-@triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, context_len, q_pos,
-                 kv_head, scale_log2e, stride_cache_block, stride_cache_pos,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                 CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    keys = start_n + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    in_context = keys < context_len
-    blocks = tl.load(block_table_ptr + keys // PAGE, mask=in_context, other=0).to(tl.int64)
-    offs = blocks * stride_cache_block + (keys % PAGE) * stride_cache_pos + kv_head * HEAD_DIM
-    offs = tl.multiple_of(offs, 16)  # rows of the cache start at multiples of head_dim
-    k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=in_context[:, None], other=0.0)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-    if CAUSAL_MASK:
-        qk = tl.where((keys[None, :] <= q_pos[:, None]) & in_context[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=in_context[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr"])
-def prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
-    scale_log2e, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cache_block, stride_cache_pos, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_ptr + seq)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if tile * BLOCK_M < q_len * GROUP:
-        context_len = tl.load(seq_lens_ptr + seq)
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_valid = rows < q_len * GROUP
-        q_idx = tl.where(row_valid, rows // GROUP, q_len - 1)
-        head = kv_head * GROUP + rows % GROUP
-        q_pos = context_len - q_len + q_idx
-        dims = tl.arange(0, HEAD_DIM)
-        q_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        first_pos = context_len - q_len + (tile * BLOCK_M) // GROUP
-        last_pos = tl.minimum(context_len - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, context_len - 1)
-        # Key tiles entirely at or before the first query position of this tile need no mask.
-        unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-        for start_n in range(0, unmasked_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, start_n,
-                                         context_len, q_pos, kv_head, scale_log2e, stride_cache_block,
-                                         stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, False, DOT_PRECISION)
-        for start_n in range(unmasked_end, last_pos + 1, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, start_n,
-                                         context_len, q_pos, kv_head, scale_log2e, stride_cache_block,
-                                         stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, True, DOT_PRECISION)
-        out = acc / l_i[:, None]
-        o_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 class PrefillConfig(NamedTuple):

@@ -13,7 +13,7 @@ logits are never read nor rewritten, so they keep their exact bits, and a row li
 intersection of its masks. Grid: one program per (bitmask row, `32 * BLOCK_W` tokens). The tile (2048
 tokens, 16 per thread) is cheap on GPUs and, the kernel being a few vector ops, also the fastest under the
 interpreter (whose cost is per program), so `tiles` (kernels/tiles.py) is accepted and checked but picks
-the same launch anywhere.
+the same launch anywhere. The @triton.jit body is in kernels/jit/token_bitmask.py.
 
 Specialization, so that an engine compiles every variant before serving (kernels/warmup.py) and none while
 serving: the row count R is only the grid's size, so no launch argument carries it. The vocabulary size and
@@ -29,28 +29,12 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
+from tritium.kernels.jit.token_bitmask import token_bitmask_kernel
 from tritium.kernels.tiles import check_tiles
 
 BLOCK_W = 64  # bitmask words (32 tokens each) per program
 NUM_WARPS = 4
-
-
-@triton.jit(do_not_specialize=["num_words", "stride_bitmask"],
-            do_not_specialize_on_alignment=["bitmask_ptr", "rows_ptr"])
-def token_bitmask_kernel(
-    logits_ptr, bitmask_ptr, rows_ptr, vocab, num_words, stride_logits, stride_bitmask,
-    BLOCK_W: tl.constexpr,
-):
-    r = tl.program_id(0)
-    words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    row = tl.load(rows_ptr + r).to(tl.int64)
-    packed = tl.load(bitmask_ptr + r.to(tl.int64) * stride_bitmask + words, mask=words < num_words, other=0)
-    bits = tl.arange(0, 32)
-    tokens = words[:, None] * 32 + bits[None, :]
-    blocked = ((packed[:, None] >> bits[None, :]) & 1) == 0  # words past W load as 0: blocked
-    tl.store(logits_ptr + row * stride_logits + tokens, float("-inf"), mask=blocked & (tokens < vocab))
 
 
 def apply_token_bitmask(

@@ -15,6 +15,7 @@ from tritium.backend.core.sequence import Sequence
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The 16-byte hash of a full block of `tokens` after the prefix hashed as `parent` (b"" for the first)."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
@@ -34,6 +35,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no sequence references (cached ones included: they are reused least recently used first)."""
         return len(self.free)
 
     @property
@@ -42,6 +44,7 @@ class BlockManager:
         return 1.0 - len(self.free) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
     def match_prefix(self, seq: Sequence) -> int:

@@ -36,6 +36,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens this step runs through the model."""
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
@@ -58,12 +59,16 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind the waiting ones."""
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether a sequence waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """This step's sequences and their new tokens (blocks allocated), running ones first, and the
+        sequences preempted to make room; nothing scheduled when nothing can run."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0

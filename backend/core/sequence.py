@@ -41,6 +41,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and generated tokens."""
         return len(self.token_ids)
 
     @property
@@ -50,8 +51,10 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:
+        """Whether it ended (`finish_reason` says why)."""
         return self.status is SequenceStatus.FINISHED

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
@@ -43,7 +44,7 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_qk(weight: npt.NDArray[Any], num_heads: int) -> npt.NDArray[Any]:
     """Undo llama.cpp's interleaving of the rotary halves in Q/K rows (`[out, in]`)."""
     out, rest = weight.shape[0], weight.shape[1:]
     half = out // num_heads // 2

@@ -64,7 +64,8 @@ class CpuPackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -148,7 +149,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[rows, vocab]` for the given hidden rows."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden)
+            logits: torch.Tensor = self.packed_lm_head(hidden)
+            return logits
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 

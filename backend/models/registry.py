@@ -45,7 +45,7 @@ def find_default_gguf() -> Path:
         ) from exc
     for f in dist.files or []:
         if f.name == _DEFAULT_GGUF:
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))  # a pathlib.Path; typeshed says SimplePath
     raise ModelFolderError(f"{_DEFAULT_DIST} is installed but has no {_DEFAULT_GGUF}")
 
 

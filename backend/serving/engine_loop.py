@@ -16,7 +16,6 @@ error, and so does every later request, at once, until the model is reloaded.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import sys
@@ -24,13 +23,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from typing import Any
 
-from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
-from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.serving.heap import heap_trimmer
+from tritium.backend.serving.jobs import (
+    ENGINE_FAILED,
+    Delivery,
+    ErrorKind,
+    Job,
+    LoopObserver,
+    NoObserver,
+    merge_outputs,
+)
 from tritium.backend.serving.settings import DEFAULT_MAX_PENDING_REQUESTS, DEFAULT_MAX_STREAM_INTERVAL
 from tritium.backend.serving.stream_pacer import StreamPacer
 from tritium.backend.tokenizer import TOKENIZER_NICE
@@ -41,85 +48,6 @@ IDLE_WAIT_S = 0.5
 # and no request more often than every CANCEL_MIN_INTERVAL_S.
 CANCEL_CHECKS_PER_S = 50
 CANCEL_MIN_INTERVAL_S = 0.1
-
-
-class ErrorKind(enum.Enum):
-    """What a final error means to the client (Triton maps them to gRPC / HTTP status codes)."""
-
-    INVALID = "invalid"  # the request's own fault: INVALID_ARG
-    OVERLOADED = "overloaded"  # refused, retry later: UNAVAILABLE (the message starts "overloaded:")
-    UNAVAILABLE = "unavailable"  # the model is not serving: UNAVAILABLE
-    INTERNAL = "internal"  # failed while generating: INTERNAL
-    # Triton's HTTP generate endpoints answer every model error with 400, and a gRPC stream carries only the
-    # message: the code reaches gRPC unary-style clients only.
-
-
-ENGINE_FAILED = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
-                 ErrorKind.UNAVAILABLE)
-
-
-class ResponseSink(Protocol):
-    """Where a job's results go. `send_output` with a finished output and `send_error` are final."""
-
-    def send_output(self, output: RequestOutput) -> None: ...
-    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None: ...
-    def is_cancelled(self) -> bool: ...
-
-
-class LoopObserver(Protocol):
-    """Metrics hooks, called on the engine thread (`on_refused` on the caller of `submit`)."""
-
-    def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
-    def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
-    def on_refused(self) -> None: ...
-    def on_engine_failed(self) -> None: ...
-    def on_stream_interval(self, interval: int) -> None: ...
-
-
-class NoObserver:
-    """The observer of a loop without metrics."""
-
-    def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
-    def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
-    def on_refused(self) -> None: ...
-    def on_engine_failed(self) -> None: ...
-    def on_stream_interval(self, interval: int) -> None: ...
-
-
-@dataclass(eq=False)
-class Job:
-    request_id: str
-    params: SamplingParams
-    sink: ResponseSink
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    deadline: float | None = None  # time.monotonic() after which the request is aborted
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    next_cancel_check: float = 0.0
-    matcher: Any = None  # its structured output's compiled matcher (llguidance), once compiled
-    num_responses: int = 0  # responses sent (the response thread's)
-    closed: bool = False  # its final response (or error) went out: nothing more is sent
-
-
-@dataclass(eq=False)
-class Delivery:
-    """What the response thread has to send for one job: an output (deltas merged when several steps'
-    outputs wait) or a final error."""
-
-    job: Job
-    output: RequestOutput | None = None
-    error: tuple[str, ErrorKind] | None = None
-
-
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One output saying what `older` and then `newer` said (deltas joined; totals and state from `newer`)."""
-    newer.delta_text = older.delta_text + newer.delta_text
-    newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
-    if older.delta_logprobs is not None:
-        newer.delta_logprobs = older.delta_logprobs + (newer.delta_logprobs or [])
-    return newer
 
 
 class EngineLoop:
@@ -264,7 +192,7 @@ class EngineLoop:
             if refusal is not None:
                 self._fail(job, *refusal)
             elif compile_it:  # on the compiler's threads: a large grammar delays no other request
-                self.engine.compile_structured_output(job.params, lambda m, e, job=job: self._compiled(job, m, e))
+                self.engine.compile_structured_output(job.params, partial(self._compiled, job))
 
     def _compiled(self, job: Job, matcher: Any, error: str | None) -> None:
         """A job's grammar is compiled (`matcher`) or cannot be (`error`): queue it or answer it."""

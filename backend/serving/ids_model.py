@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from tritium.backend.config import RequestOutput
 from tritium.backend.detokenizer import PROMPT_CONTEXT_TOKENS
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.sampling_params import SAMPLING_FIELDS
 from tritium.backend.serving.request import EngineRequest, coerce_field, decode_text, sampling_from_dict, scalar
 from tritium.backend.serving.triton_model import EngineModel

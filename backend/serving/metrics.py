@@ -7,11 +7,13 @@ at most every FLUSH_INTERVAL_S (and whenever the engine goes idle), not per toke
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tritium.backend.config import RequestOutput
-from tritium.backend.engine import LLMEngine
-from tritium.backend.serving.engine_loop import Job
+from tritium.backend.outputs import RequestOutput
+from tritium.backend.serving.jobs import Job
+
+if TYPE_CHECKING:
+    from tritium.backend.engine import LLMEngine
 
 FLUSH_INTERVAL_S = 0.5
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]

@@ -118,6 +118,7 @@ def _resolve_aliases(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_sampling_json(text: str) -> dict[str, Any]:
+    """The `sampling_parameters` JSON object; raises ValueError when `text` is not one."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -139,6 +140,8 @@ def scalar(name: str, array: np.ndarray | None) -> Any:
 
 
 def decode_text(name: str, value: Any) -> str:
+    """Input `name`'s text from bytes or str; raises ValueError for invalid UTF-8, a text over MAX_PROMPT_BYTES
+    or another type."""
     if isinstance(value, bytes):
         if len(value) > MAX_PROMPT_BYTES:
             raise ValueError(f"{name} is {len(value)} bytes; the limit is {MAX_PROMPT_BYTES} bytes")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tritium.backend.config import RequestOutput
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.serving.request import TextRequest, parse_text_request
 from tritium.backend.serving.triton_model import EngineModel
 from tritium.backend.serving.triton_sink import TritonSink, read_inputs

@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from tritium.backend.engine import LLMEngine
 from tritium.backend.serving.device_selection import select_device
-from tritium.backend.serving.engine_loop import EngineLoop, Job
+from tritium.backend.serving.engine_loop import EngineLoop
+from tritium.backend.serving.jobs import Job
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import EngineRequest
 from tritium.backend.serving.settings import load_settings

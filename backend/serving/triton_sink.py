@@ -8,7 +8,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tritium.backend.serving.engine_loop import ErrorKind
+from tritium.backend.outputs import RequestOutput
+from tritium.backend.serving.jobs import ErrorKind
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,10 +66,16 @@ class TritonSink:
         self.sender = sender
         self.final_sent = False
 
+    def send_output(self, output: RequestOutput) -> None:
+        """Send what `output` adds as this model's response (final when `output.finished`)."""
+        raise NotImplementedError
+
     def is_cancelled(self) -> bool:
+        """Whether the client cancelled; False once the final response went (asking then crashes Triton)."""
         return not self.final_sent and bool(self.sender.is_cancelled())
 
     def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        """Send the final error, unless a final response went already."""
         if not self.final_sent:
             self._send(self.pb.InferenceResponse(error=triton_error(self.pb, message, kind)), final=True)
 

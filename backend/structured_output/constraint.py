@@ -15,7 +15,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stubs only
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's options: `backend` names a library (tritium always uses llguidance), `disable_fallback` asks for no
@@ -99,9 +102,10 @@ class StructuredOutput:
         """The size of what is compiled (the schema's JSON text, the regex, the grammar), in UTF-8 bytes."""
         return len(self.lark_or_json_grammar()[1].encode("utf-8", "surrogatepass"))
 
-    def json_options(self) -> dict[str, Any]:
+    def json_options(self) -> JsonCompileOptions:
         """llguidance's JSON compile options for this request."""
-        options: dict[str, Any] = {"whitespace_flexible": self.any_whitespace or self.whitespace_pattern is not None}
+        flexible = self.any_whitespace or self.whitespace_pattern is not None
+        options: JsonCompileOptions = {"whitespace_flexible": flexible}
         if self.whitespace_pattern is not None:
             options["whitespace_pattern"] = self.whitespace_pattern
         return options

@@ -32,6 +32,7 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls) -> FaultInjector:
+        """The faults the environment asks for (none when neither variable is set)."""
         return cls(os.environ.get(FAULT_MARKER_ENV), os.environ.get(LOOP_FAULT_MARKER_ENV))
 
     def check(self, prompts: Iterable[str | None]) -> None:

@@ -61,6 +61,7 @@ class DeviceBlockTables:
             self._free.append(row.index)
 
     def take_updates(self) -> tuple[list[int], list[int]]:
+        """The table entries to write since the last call, as (flat indexes, block ids); forgets them."""
         updates = self.update_index, self.update_value
         self.update_index, self.update_value = [], []
         return updates

@@ -62,6 +62,7 @@ def check_free_memory(kv_bytes: int, activation_bytes: int, free_bytes: int, gpu
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
 
 

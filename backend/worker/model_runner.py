@@ -3,7 +3,8 @@
 A step's inputs go through the staging buffer (staging.py: one host-to-device copy) and the device block
 tables (block_tables.py: incremental). Decode-only steps of up to `max_num_seqs` sequences run padded to a
 batch-size bucket on fixed views of the staging buffer, so that on CUDA a graph captured per bucket at start
-replays them (decode_graphs.py); mixed and prefill steps run eagerly.
+replays them (decode_graphs.py); mixed and prefill steps run eagerly. The worker (worker.py) owns the staging
+buffer and the graphs and hands them to the runner.
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ from tritium.backend.core.scheduler import ScheduledSequence
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.worker.block_tables import DeviceBlockTables
-from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets
+from tritium.backend.worker.decode_graphs import DecodeGraphs
 from tritium.backend.worker.staging import StagingBuffer
 from tritium.kernels.warmup import EngineShape
 from tritium.kernels.warmup import warm_up as warm_up_kernels
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    c = model.config
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int) -> int:
+    """The staging-buffer slots the runner's inputs of one step take at most."""
+    width = -(-max_model_len // block_size)
+    # A step carries at most max_num_batched_tokens, or one whole prompt when chunked prefill is off.
+    seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs, max_model_len)
+    # ids, positions, slots; decode and prefill rows/lengths; logit rows; table updates (a step may rewrite
+    # every scheduled row).
+    return 3 * tokens + 8 * seqs + 1 + 2 * seqs * width
 
 
 @dataclass
@@ -74,6 +79,8 @@ class PreparedStep:
 
 
 class ModelRunner:
+    """The model, its KV cache and block tables: stages a step's inputs and runs its forward pass."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -83,9 +90,9 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_num_seqs: int,
-        max_num_batched_tokens: int,
         max_model_len: int,
-        use_graphs: bool,
+        staging: StagingBuffer,
+        graphs: DecodeGraphs,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -97,23 +104,17 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(c.num_hidden_layers)
         ]
-        width = -(-max_model_len // block_size)
-        self.block_tables = DeviceBlockTables(max_num_seqs, width, device)
-        # A step carries at most max_num_batched_tokens, or one whole prompt when chunked prefill is off.
-        seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs, max_model_len)
-        # ids, positions, slots; decode and prefill rows/lengths; logit rows; table updates (a step may rewrite
-        # every scheduled row); the sampler's four per-row settings and its random-row list.
-        capacity = 3 * tokens + 8 * seqs + 1 + 2 * seqs * width + 5 * seqs
-        self.staging = StagingBuffer(capacity, device)
-        self.graphs = DecodeGraphs(graph_buckets(max_num_seqs) if use_graphs else [], device)
+        self.block_tables = DeviceBlockTables(max_num_seqs, -(-max_model_len // block_size), device)
+        self.staging = staging
+        self.graphs = graphs
 
     def release(self, request_id: str) -> None:
         """Forget a finished or preempted request's block-table row."""
         self.block_tables.release(request_id)
 
     def prepare(self, batch: list[ScheduledSequence]) -> PreparedStep:
-        """Stage the step (decode rows, one new token each, first; then prefill chunks). Call
-        `staging.begin()` before and `staging.upload()` after (the sampler stages its settings in between)."""
+        """Put the step's inputs (decode rows, one new token each, first; then prefill chunks) into the staging
+        buffer, which the caller began and uploads afterwards. Returns where they lie."""
         bs = self.block_size
         tables = self.block_tables
         host = HostStep()

@@ -54,6 +54,8 @@ class StagingBuffer:
         return where
 
     def put_floats(self, values: Sequence[float]) -> slice:
+        """Append float values (stored as their float32 bits); returns where they went. Raises StagingOverflow
+        when the buffer is full."""
         where = self._reserve(len(values))
         self._floats[where] = values
         return where
@@ -75,4 +77,5 @@ class StagingBuffer:
         return self.device_buffer[where]
 
     def floats(self, where: slice) -> torch.Tensor:
+        """The device view of `where` as float32 (valid after `upload`)."""
         return self.device_buffer[where].view(torch.float32)

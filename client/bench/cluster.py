@@ -35,9 +35,7 @@ replicas do not have twice the compute of one, so compare routing (hit rate, TTF
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -53,9 +51,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tritium.client.bench.serve import RequestRecord, run_load, summarize
+from tritium.client.bench.load import connect, run_load
+from tritium.client.bench.report import (
+    RequestRecord,
+    load_average,
+    machine_info,
+    pyplot,
+    save_figure,
+    stat,
+    summarize,
+    write_report,
+)
+from tritium.client.bench.workload import SharedPrefixWorkload
 from tritium.client.cluster.replica_load import engine_load, fetch_metrics, parse_samples
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY, free_ports
+from tritium.client.triton.launcher import free_ports
+from tritium.client.triton.repository import one_model_repository, packaged_settings
 
 MODEL_NAME = "tritium"  # the Triton model, also the OpenAI model id
 SERVE_TIMEOUT_S = 300.0
@@ -74,18 +84,6 @@ SETUPS = {
     "b": "2 replicas, tritium router",
     "c": "2 replicas, vllm-router cache_aware",
 }
-QUESTIONS = ["What is {a} plus {b}?", "Name {a} colours and {b} animals.", "Count from {a} to {b}.",
-             "Why is {a} smaller than {b}?", "Write {a} words about the number {b}."]
-
-
-@dataclass
-class Workload:
-    model: str | None = None
-    concurrency: int = 16
-    num_requests: int = 64
-    output_len: int = 32
-    prefix_tokens: int = 256
-    groups: int = 4
 
 
 @dataclass
@@ -97,6 +95,7 @@ class Process:
     log: Path
 
     def tail(self, chars: int = 3000) -> str:
+        """The last `chars` characters of its log ("" when unreadable)."""
         try:
             return self.log.read_text(errors="replace")[-chars:]
         except OSError:
@@ -105,6 +104,8 @@ class Process:
 
 @dataclass
 class Replica:
+    """A `tritium serve` replica: its gRPC address, metrics URL and its own `tritium openai` endpoint."""
+
     name: str
     grpc: str  # host:port
     metrics_url: str
@@ -123,6 +124,8 @@ class Counters:
 
 @dataclass
 class SetupResult:
+    """One measured setup: its summary (report.summarize), prefix-cache hits and per-replica deltas."""
+
     key: str
     name: str
     url: str
@@ -145,6 +148,7 @@ def _child_env() -> dict[str, str]:
 
 
 def spawn(name: str, cmd: list[str], logs: Path) -> Process:
+    """Start `cmd` in a session of its own (without TRITON_INTERPRET), logging to `logs/name.log`."""
     log = logs / f"{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env(),
@@ -168,6 +172,7 @@ def stop(process: Process, grace_s: float = 60.0) -> None:
 
 
 def wait_for_line(process: Process, text: str, timeout: float) -> None:
+    """Wait until `process` logs `text`. Raises RuntimeError (with its log tail) when it exits or times out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if text in process.tail(1 << 20):
@@ -179,6 +184,7 @@ def wait_for_line(process: Process, text: str, timeout: float) -> None:
 
 
 def http_ok(url: str) -> bool:
+    """Whether GET `url` answers 200 within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
@@ -187,6 +193,8 @@ def http_ok(url: str) -> bool:
 
 
 def wait_for_health(process: Process, url: str, timeout: float) -> None:
+    """Wait until `url` answers 200. Raises RuntimeError (with the log tail) when `process` exits or it times
+    out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if http_ok(url):
@@ -198,20 +206,18 @@ def wait_for_health(process: Process, url: str, timeout: float) -> None:
 
 
 def write_repository(dest: Path, model: str | None, concurrency: int) -> Path:
-    """A Triton model repository with only the packaged `tritium` model serving `model`."""
-    src, version = PACKAGE_REPOSITORY / MODEL_NAME, dest / MODEL_NAME / "1"
-    version.mkdir(parents=True)
-    shutil.copy(src / "config.pbtxt", dest / MODEL_NAME / "config.pbtxt")
-    shutil.copy(src / "1" / "model.py", version / "model.py")
-    settings = json.loads((src / "1" / "model.json").read_text(encoding="utf-8"))
-    settings["model"] = model
-    settings["max_num_seqs"] = max(int(settings.get("max_num_seqs") or 0), concurrency)
-    settings["max_pending_requests"] = max(int(settings.get("max_pending_requests") or 0), 4 * concurrency)
-    (version / "model.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
-    return dest
+    """A Triton model repository at `dest` with only the packaged `tritium` model serving `model` (None: the
+    default model), room for `concurrency` sequences and 4x that many pending requests; returns `dest`."""
+    packaged = packaged_settings(MODEL_NAME)
+    return one_model_repository(dest, {
+        "model": model,
+        "max_num_seqs": max(int(packaged.get("max_num_seqs") or 0), concurrency),
+        "max_pending_requests": max(int(packaged.get("max_pending_requests") or 0), 4 * concurrency),
+    }, name=MODEL_NAME)
 
 
 def cli(*args: str) -> list[str]:
+    """The command line of `tritium ARGS` run by this interpreter."""
     return [sys.executable, "-m", "tritium.client.cli", *args]
 
 
@@ -246,11 +252,14 @@ def start_endpoint(name: str, upstreams: list[Replica], tokenizer: str | None, l
 
 
 def find_vllm_router() -> str | None:
+    """The vllm-router binary beside this python, else on PATH; None when there is none."""
     beside = Path(sys.executable).parent / "vllm-router"
     return str(beside) if beside.is_file() else shutil.which("vllm-router")
 
 
 def start_vllm_router(binary: str, workers: list[str], logs: Path, started: list[Process]) -> str:
+    """vllm-router (cache_aware, fast health flags) over `workers`; returns its base URL once /health is 200.
+    Raises RuntimeError when it exits or does not get healthy in time."""
     port, prometheus = free_ports(2)
     cmd = [binary, "--worker-urls", *workers, "--policy", "cache_aware", "--host", "127.0.0.1",
            "--port", str(port), "--prometheus-port", str(prometheus), *VLLM_ROUTER_FAST_FLAGS]
@@ -292,6 +301,7 @@ def cleanup(started: list[Process]) -> Iterator[None]:
 
 
 def read_counters(metrics_url: str) -> Counters:
+    """One tritonserver's counters for the `tritium` model, read from its metrics page."""
     text = fetch_metrics(metrics_url, timeout=5)
     load = engine_load(text, MODEL_NAME)
     requests = sum(value for name, labels, value in parse_samples(text)
@@ -313,94 +323,29 @@ def settled_counters(replicas: list[Replica]) -> dict[str, Counters]:
     return last
 
 
-# ---------------------------------------------------------------- workload
+# ---------------------------------------------------------------- load
 
 
-def group_prefixes(tokenizer: Any, groups: int, prefix_tokens: int, seed: int) -> list[str]:
-    """`groups` "system" texts of ~`prefix_tokens` random ordinary tokens, each naming its group first."""
-    import random
-
-    rng = random.Random(seed)
-    prefixes = []
-    for g in range(groups):
-        body = tokenizer.decode([rng.randrange(17, tokenizer.vocab_size) for _ in range(prefix_tokens)])
-        prefixes.append(f"System notes for team {seed}-{g}.\n{body}\n")
-    return prefixes
-
-
-def make_prompts(prefixes: list[str], n: int, seed: int) -> list[str]:
-    """Prompt i: prefix i % groups + a short question unique to i (groups interleave in send order)."""
-    import random
-
-    rng = random.Random(seed + 10_000)
-    prompts = []
-    for i in range(n):
-        question = rng.choice(QUESTIONS).format(a=rng.randrange(2, 99), b=rng.randrange(100, 999))
-        prompts.append(f"{prefixes[i % len(prefixes)]}Question {i}: {question}\nAnswer:")
-    return prompts
-
-
-async def stream_completion(client: Any, prompt: str, output_len: int) -> RequestRecord:
-    """One streamed completion, timed as `bench serve`'s openai_request does; also counts the chunks that
-    carried text (`responses`), so that a hop which re-batches the stream shows as tokens per response > 1."""
-    start = time.perf_counter()
-    first: float | None = None
-    tokens = chunks = 0
-    try:
-        stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=output_len,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                first = time.perf_counter() if first is None else first
-                chunks += 1
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-    except Exception as exc:  # any failure is a failed request, reported with its text
-        return RequestRecord(0, time.perf_counter() - start, 0, None, False, f"{type(exc).__name__}: {exc}")
-    end = time.perf_counter()
-    ttft = (first or end) - start
-    itl = (end - start - ttft) / (tokens - 1) if tokens > 1 else None
-    return RequestRecord(ttft, end - start, tokens, itl, True, responses=chunks)
-
-
-async def warm_up(url: str, prompts: list[str], output_len: int) -> list[RequestRecord]:
-    """Send `prompts` one at a time (not counted)."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    try:
-        return [await stream_completion(client, p, output_len) for p in prompts]
-    finally:
-        await client.close()
-
-
-async def drive(url: str, prompts: list[str], output_len: int, concurrency: int,
-                label: str) -> tuple[list[RequestRecord], float]:
-    """The closed loop: `concurrency` clients send `prompts` back to back, streamed."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    try:
-        async def send(prompt: str) -> RequestRecord:
-            return await stream_completion(client, prompt, output_len)
-
+async def _run_load(url: str, prompts: list[str], output_len: int, concurrency: int,
+                    label: str) -> tuple[list[RequestRecord], float]:
+    """`prompts` through `url`'s OpenAI API (`url` without /v1) in a closed loop at `concurrency`."""
+    async with connect("openai", url + "/v1", MODEL_NAME, output_len) as send:
         return await run_load(send, prompts, concurrency, None, label)
-    finally:
-        await client.close()
 
 
 def run_setup(key: str, url: str, used: list[Replica], everyone: list[Replica], tokenizer: Any,
-              w: Workload, seed: int) -> SetupResult:
-    prompts = make_prompts(group_prefixes(tokenizer, w.groups, w.prefix_tokens, seed), w.num_requests, seed)
-    warmup = make_prompts(group_prefixes(tokenizer, 1, w.prefix_tokens, 1000 + seed), WARMUP_REQUESTS, 1000 + seed)
+              w: SharedPrefixWorkload, seed: int) -> SetupResult:
+    """Measure one setup: WARMUP_REQUESTS one at a time (not counted), then the closed loop, the replicas'
+    counters read (settled) before and after. Raises RuntimeError when a warm-up request fails."""
+    prompts = w.prompts(tokenizer, seed)
+    warmup = w.prompts(tokenizer, 1000 + seed, groups=1, n=WARMUP_REQUESTS)
     label = f"{key}) {SETUPS[key]}"
 
-    warm = asyncio.run(warm_up(url, warmup, w.output_len))
+    warm, _ = asyncio.run(_run_load(url, warmup, w.output_len, 1, f"{label} warm-up"))
     if not all(r.ok for r in warm):
         raise RuntimeError(f"{label}: warm-up failed: {[r.error for r in warm if not r.ok]}")
     before = settled_counters(everyone)
-    records, duration = asyncio.run(drive(url, prompts, w.output_len, w.concurrency, label))
+    records, duration = asyncio.run(_run_load(url, prompts, w.output_len, w.concurrency, label))
     after = settled_counters(everyone)
     per_replica = {r.name: {"requests": after[r.name].requests - before[r.name].requests,
                             "hit_tokens": after[r.name].hit_tokens - before[r.name].hit_tokens,
@@ -417,15 +362,12 @@ def run_setup(key: str, url: str, used: list[Replica], everyone: list[Replica], 
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Throughput, TTFT p50 and prefix-cache hit rate per setup."""
+    plt = pyplot()
     names = [f"{r['key']}) {r['name']}".replace(", ", "\n") for r in results]
     colors = ["#7f8c8d", "#c0392b", "#2980b9"][:len(results)]
-    panels = [("output tokens / s", [r["summary"]["output_token_throughput_per_s"] for r in results], "Throughput"),
-              ("ms", [r["summary"]["time_to_first_token_s"].get("p50", 0) * 1e3 for r in results], "TTFT p50"),
+    panels = [("output tokens / s", [stat(r["summary"], "output_token_throughput") for r in results], "Throughput"),
+              ("ms", [stat(r["summary"], "time_to_first_token", "p50") for r in results], "TTFT p50"),
               ("hit tokens / queried tokens", [r["hit_rate"] or 0 for r in results], "Prefix-cache hit rate")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, (ylabel, values, panel_title) in zip(axes, panels, strict=True):
@@ -436,12 +378,11 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_title(panel_title)
         ax.set_ylim(0, (1.0 if panel_title.startswith("Prefix") else max([*values, 1e-9])) * 1.2)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def print_summary(report: dict[str, Any]) -> None:
+    """The workload, then a line per setup (and one per skipped setup)."""
     w, m = report["workload"], report["machine"]
     print(f"\n{w['num_requests']} requests per setup at concurrency {w['concurrency']}, {w['groups']} prefix groups "
           f"of ~{w['prefix_tokens']} tokens, {w['output_len']} output tokens; {m['cpu_count']} CPUs shared by "
@@ -449,24 +390,17 @@ def print_summary(report: dict[str, Any]) -> None:
     print(f"{'setup':<40}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}{'ITL p50':>9}"
           f"{'errors':>8}{'hit rate':>10}{'tok/chunk':>10}  requests per replica")
     for r in report["setups"]:
-        s, t = r["summary"], r["summary"]["time_to_first_token_s"]
+        s = r["summary"]
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
         served = " ".join(f"{name}={v['requests']}" for name, v in r["per_replica"].items())
-        print(f"{r['key'] + ') ' + r['name']:<40}{s['output_token_throughput_per_s']:>10.1f}"
-              f"{s['request_throughput_per_s']:>8.2f}{t.get('p50', 0) * 1e3:>8.0f}ms{t.get('p90', 0) * 1e3:>8.0f}ms"
-              f"{s['inter_token_latency_s'].get('p50', 0) * 1e3:>7.0f}ms{s['errors']:>8}{hit:>10}"
-              f"{s['tokens_per_response']:>10.2f}  {served}")
+        print(f"{r['key'] + ') ' + r['name']:<40}{stat(s, 'output_token_throughput'):>10.1f}"
+              f"{stat(s, 'request_throughput'):>8.2f}{stat(s, 'time_to_first_token', 'p50'):>8.0f}ms"
+              f"{stat(s, 'time_to_first_token', 'p90'):>8.0f}ms{stat(s, 'inter_token_latency', 'p50'):>7.0f}ms"
+              f"{stat(s, 'error_request_count'):>8.0f}{hit:>10}{stat(s, 'tokens_per_response'):>10.2f}  {served}")
         for error in r["error_samples"]:
             print(f"    error: {error[:200]}")
     for skipped in report["skipped"]:
         print(f"{skipped['key']}) {skipped['name']}: skipped: {skipped['reason']}")
-
-
-def machine_info(loadavg_before: list[float]) -> dict[str, Any]:
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "loadavg_before": loadavg_before,
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "note": "both replicas, the three endpoints, vllm-router and the clients share this machine's CPUs"}
 
 
 def run_cluster_benchmark(out_dir: str | Path = "bench_results", model: str | None = None, concurrency: int = 16,
@@ -477,7 +411,7 @@ def run_cluster_benchmark(out_dir: str | Path = "bench_results", model: str | No
     from tritium.backend.models.registry import resolve_model
     from tritium.backend.tokenizer import Tokenizer
 
-    w = Workload(model, concurrency, num_requests, output_len, prefix_tokens, groups)
+    w = SharedPrefixWorkload(model, concurrency, num_requests, output_len, prefix_tokens, groups)
     folder = resolve_model(model)
     tokenizer = Tokenizer(folder)
     router_binary = None if skip_vllm_router else find_vllm_router()
@@ -485,7 +419,7 @@ def run_cluster_benchmark(out_dir: str | Path = "bench_results", model: str | No
         raise RuntimeError("no vllm-router binary (beside this python or on PATH): install it, or pass "
                            "--skip-vllm-router to measure setups a and b only")
     skipped = [{"key": "c", "name": SETUPS["c"], "reason": "--skip-vllm-router"}] if skip_vllm_router else []
-    loadavg_before = [round(x, 2) for x in os.getloadavg()]
+    loadavg_before = load_average()
     t_start = time.perf_counter()
     started: list[Process] = []
     results: list[SetupResult] = []
@@ -511,22 +445,20 @@ def run_cluster_benchmark(out_dir: str | Path = "bench_results", model: str | No
                                  "warmup_requests": WARMUP_REQUESTS,
                                  "prefix_cache": "each setup draws its own prefixes (seed = setup index): every "
                                  "setup starts cold for its prefixes; earlier setups' blocks may stay cached"},
-        "machine": machine_info(loadavg_before),
+        "machine": machine_info(loadavg_before=loadavg_before, note="both replicas, the three endpoints, "
+                                "vllm-router and the clients share this machine's CPUs"),
         "vllm_router": {"binary": router_binary, "flags": ["--policy", "cache_aware", *VLLM_ROUTER_FAST_FLAGS]},
         "setups": [asdict(r) for r in results],
         "skipped": skipped,
         "wall_s": time.perf_counter() - t_start,
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster.json").write_text(json.dumps(report, indent=2))
-    plot(report["setups"], out / "cluster.png",
-         f"{folder.name}, {num_requests} requests at concurrency {concurrency}, {groups} shared prefixes of "
-         f"~{prefix_tokens} tokens; all on one {os.cpu_count()}-CPU machine (see JSON for load)")
+    title = (f"{folder.name}, {num_requests} requests at concurrency {concurrency}, {groups} shared prefixes of "
+             f"~{prefix_tokens} tokens; all on one {os.cpu_count()}-CPU machine (see JSON for load)")
     print_summary(report)
-    print(f"wrote {out / 'cluster.json'} and {out / 'cluster.png'}")
+    write_report(out_dir, "cluster", report, lambda path: plot(report["setups"], path, title))
     return report
 
 
 def has_errors(report: dict[str, Any]) -> bool:
-    return any(r["summary"]["errors"] for r in report["setups"])
+    """Whether any measured request of any setup failed."""
+    return any(stat(r["summary"], "error_request_count") for r in report["setups"])

@@ -13,7 +13,6 @@ Results: `grammar_load.json` and `grammar_load.png` in `out_dir`, a summary on s
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -22,26 +21,16 @@ from typing import Any
 from tqdm import tqdm
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.config import RequestOutput
-from tritium.backend.serving.engine_loop import EngineLoop, ErrorKind, Job
+from tritium.backend.outputs import RequestOutput
+from tritium.backend.serving.engine_loop import EngineLoop
+from tritium.backend.serving.jobs import ErrorKind, Job
 from tritium.backend.structured_output.constraint import StructuredOutput
-
-
-def wide_schema(kib: int, tag: str) -> dict[str, Any]:
-    """About `kib` KiB of schema: optional string properties named apart by `tag`."""
-    n = kib * 1024 // 40
-    return {"type": "object", "properties": {f"p{tag}_{i:05d}_xxxx": {"type": "string"} for i in range(n)}}
-
-
-def nested_schema(kib: int, tag: str) -> dict[str, Any]:
-    """About `kib` KiB of schema: objects of ten integers (two required), named apart by `tag`."""
-    n = kib * 1024 // 340
-    fields = {f"a{k}": {"type": "integer"} for k in range(10)}
-    return {"type": "object", "properties": {f"o{tag}_{i}": {"type": "object", "properties": fields,
-                                                              "required": ["a0", "a1"]} for i in range(n)}}
+from tritium.client.bench.report import pyplot, save_figure, write_report
+from tritium.client.bench.workload import nested_schema, wide_schema
 
 
 def rss_mib() -> float:
+    """This process's resident set size in MiB (Linux: /proc/self/statm)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 
@@ -57,6 +46,7 @@ class TimedSink:
         self.error: str | None = None
 
     def send_output(self, output: RequestOutput) -> None:
+        """Note the first output's time, and the final one's."""
         if self.first is None:
             self.first = time.monotonic() - self.started
         if output.finished:
@@ -64,15 +54,19 @@ class TimedSink:
             self.done.set()
 
     def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        """Note the error and its time (the request is over)."""
         self.error = message
         self.end = time.monotonic() - self.started
         self.done.set()
 
     def is_cancelled(self) -> bool:
+        """Never: the benchmark waits for every request."""
         return False
 
 
 def measure_memory(llm: LLM, num_schemas: int, kib: int, sample_every: int) -> list[tuple[int, float]]:
+    """Compile `num_schemas` distinct wide schemas of `kib` KiB through the engine's grammar compiler;
+    returns (schemas compiled, RSS MiB) samples, the first before any."""
     compiler = llm.engine.grammars
     compiler.ll_tokenizer  # noqa: B018  (built before the baseline)
     samples = [(0, rss_mib())]
@@ -84,6 +78,8 @@ def measure_memory(llm: LLM, num_schemas: int, kib: int, sample_every: int) -> l
 
 
 def measure_blocking(llm: LLM, num_large: int, kib: int) -> dict[str, Any]:
+    """TTFT of an unconstrained request alone and right behind `num_large` requests with large distinct
+    schemas, through an EngineLoop; also when the last large one was answered and their errors."""
     loop = EngineLoop(llm.engine)
     loop.start()
     plain = SamplingParams(max_tokens=4, temperature=0)
@@ -112,11 +108,8 @@ def measure_blocking(llm: LLM, num_large: int, kib: int) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """RSS against schemas compiled; TTFT alone against behind the large schemas."""
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     xs, ys = zip(*report["memory"]["rss_mib"], strict=True)
     left.plot(xs, ys, marker=".")
@@ -126,23 +119,21 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.bar(["alone", f"behind {report['blocking']['num_large']} large"],
               [b["ttft_alone_s"] or 0, b["ttft_behind_large_s"] or 0])
     right.set(ylabel="time to first token (s)", title="an unconstrained request")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def run_grammar_load_benchmark(model: str | None = None, num_schemas: int = 1000, kib: int = 100,
                                sample_every: int = 50, num_large: int = 10, large_kib: int = 120,
-                               out_dir: str = "bench_results") -> dict[str, Any]:
+                               out_dir: str | Path = "bench_results") -> dict[str, Any]:
+    """Measure blocking, then memory, on `model` (None: the default model); print the findings, write
+    `grammar_load.json` and `grammar_load.png` into `out_dir`; returns the JSON dict."""
     llm = LLM(model, kv_cache_bytes=64 << 20, max_model_len=1024)
     blocking = measure_blocking(llm, num_large, large_kib) | {"num_large": num_large, "kib": large_kib}
     samples = measure_memory(llm, num_schemas, kib, sample_every)
     report = {"memory": {"num_schemas": num_schemas, "kib": kib, "rss_mib": samples,
                          "growth_mib": samples[-1][1] - samples[0][1]},
               "blocking": blocking}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grammar_load.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "grammar_load.png")
+    write_report(out_dir, "grammar_load", report, lambda path: plot(report, path))
     print(f"RSS: {samples[0][1]:.0f} MiB -> {samples[-1][1]:.0f} MiB after {num_schemas} distinct {kib} KiB schemas")
     print(f"TTFT of an unconstrained request: alone {blocking['ttft_alone_s']:.3f} s, behind {num_large} "
           f"{large_kib} KiB schemas {blocking['ttft_behind_large_s']:.3f} s (the last of them answered after "

@@ -17,23 +17,27 @@ from typing import Any
 
 import numpy as np
 
+from tritium.client.bench.report import MS, distribution, write_report
+from tritium.client.bench.workload import big_prompt
 from tritium.client.triton.remote import grpc_inputs
 
 BIG_PROMPT_VARIANTS = 4
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards"]
 
 
 @dataclass
 class Phase:
-    itl_p50_ms: float
-    itl_p99_ms: float
-    itl_max_ms: float
+    """One phase's streams: the gaps between their streamed responses (one token each), as AIPerf's
+    `inter_token_latency` block in ms; the responses received and the big prompts sent meanwhile."""
+
+    inter_token_latency: dict[str, Any]
     tokens: int
     big_prompts_sent: int
 
 
 @dataclass
 class InterferenceReport:
+    """Both phases of a run and its settings."""
+
     streams: int
     output_len: int
     big_prompt_kib: int
@@ -42,17 +46,8 @@ class InterferenceReport:
 
     @property
     def p99_ratio(self) -> float:
-        return self.with_big_prompts.itl_p99_ms / self.alone.itl_p99_ms
-
-
-def big_prompt(kib: int, salt: int) -> str:
-    words, size, i = [], 0, salt
-    while size < kib * 1024:
-        word = WORDS[i % len(WORDS)] + str(i % 97)
-        words.append(word)
-        size += len(word) + 1
-        i += 7
-    return " ".join(words)
+        """ITL p99 with big prompts arriving / alone."""
+        return self.with_big_prompts.inter_token_latency["p99"] / self.alone.inter_token_latency["p99"]
 
 
 async def _stream(client: Any, prompt: str, output_len: int, arrivals: list[float]) -> None:
@@ -103,25 +98,24 @@ async def _phase(grpc_url: str, http_url: str, streams: int, output_len: int, ki
         sent = await flood if flood else 0
         await client.close()
     gaps = np.concatenate([np.diff(a) for a in arrivals if len(a) > 1]) * 1000
-    return Phase(float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)), float(gaps.max()),
-                 sum(len(a) for a in arrivals), sent)
+    return Phase(distribution(gaps, MS), sum(len(a) for a in arrivals), sent)
 
 
 def run_interference_benchmark(grpc_url: str = "127.0.0.1:8001", http_url: str = "http://127.0.0.1:8000",
                                streams: int = 16, output_len: int = 64, big_prompt_kib: int = 500,
-                               out_dir: str | None = "bench_results") -> InterferenceReport:
+                               out_dir: str | Path | None = "bench_results") -> InterferenceReport:
+    """Warm up, then both phases against the server at `grpc_url` / `http_url`; print the ITL of each and
+    their p99 ratio, and (with `out_dir`) write `interference.json`. Raises RuntimeError when a stream fails."""
     asyncio.run(_phase(grpc_url, http_url, 2, 4, None))  # warm-up
     alone = asyncio.run(_phase(grpc_url, http_url, streams, output_len, None))
     loaded = asyncio.run(_phase(grpc_url, http_url, streams, output_len, big_prompt_kib))
     report = InterferenceReport(streams, output_len, big_prompt_kib, alone, loaded)
     print(f"{streams} streams x {output_len} tokens; big prompts of {big_prompt_kib} KiB arriving back to back")
     for name, phase in (("alone", alone), ("with big prompts", loaded)):
-        print(f"  {name:17s} ITL p50 {phase.itl_p50_ms:7.1f} ms  p99 {phase.itl_p99_ms:7.1f} ms  "
-              f"max {phase.itl_max_ms:7.1f} ms  ({phase.big_prompts_sent} big prompts)")
+        itl = phase.inter_token_latency
+        print(f"  {name:17s} ITL p50 {itl['p50']:7.1f} ms  p99 {itl['p99']:7.1f} ms  "
+              f"max {itl['max']:7.1f} ms  ({phase.big_prompts_sent} big prompts)")
     print(f"  ITL p99 with / without: {report.p99_ratio:.2f}x")
     if out_dir:
-        path = Path(out_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        data = asdict(report) | {"p99_ratio": report.p99_ratio}
-        (path / "interference.json").write_text(json.dumps(data, indent=2))
+        write_report(out_dir, "interference", asdict(report) | {"p99_ratio": report.p99_ratio})
     return report

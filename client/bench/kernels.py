@@ -7,15 +7,17 @@ mean nothing.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from tritium.client.bench.report import pyplot, save_figure, write_report
+from tritium.client.bench.workload import kernel_grids, paged_cache
 from tritium.kernels import reference
 
 # Peak HBM bandwidth (GB/s) from the vendors' data sheets, matched against the device name.
@@ -25,6 +27,8 @@ PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100":
 
 @dataclass
 class PrefillPoint:
+    """One prefill shape: tritium's TFLOP/s and SDPA flash's (None off CUDA)."""
+
     head_dim: int
     batch: int
     seqlen: int
@@ -34,6 +38,8 @@ class PrefillPoint:
 
 @dataclass
 class DecodePoint:
+    """One decode shape: KV bytes read per second by tritium's kernel and by the torch paged-gather reference."""
+
     head_dim: int
     batch: int
     context: int
@@ -44,16 +50,14 @@ class DecodePoint:
 
 @dataclass
 class KernelMeasurements:
+    """Every shape measured on one device."""
+
     device: str
     dtype: str
     peak_gbs: float | None
     prefill: list[PrefillPoint]
     decode: list[DecodePoint]
     not_measured: list[str]  # shapes left out when the time budget ran out
-
-
-SMOKE_PREFILL_GRID = [(64, 1, 32), (64, 1, 64)]
-SMOKE_DECODE_GRID = [(64, 1, 64), (64, 2, 64)]
 
 
 def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
@@ -67,31 +71,17 @@ def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
 
 
 def peak_bandwidth(name: str) -> float | None:
+    """The data-sheet peak HBM bandwidth (GB/s) of the device named `name`, None when unknown."""
     for key, value in PEAK_BANDWIDTH_GBS.items():
         if key in name:
             return float(value)
     return None
 
 
-def paged_cache(lengths: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-                block_size: int = 16, spare_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random K/V caches holding every sequence (plus `spare_blocks` unused ones), with blocks scattered by a
-    permutation, and the block tables."""
-    blocks = [-(-n // block_size) for n in lengths]
-    total = sum(blocks) + spare_blocks
-    key_cache = torch.randn(total, block_size, kv_heads, head_dim, dtype=dtype, device=device)
-    value_cache = torch.randn_like(key_cache)
-    perm = torch.randperm(total, device=device).to(torch.int32)
-    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device=device)
-    start = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = perm[start : start + n]
-        start += n
-    return key_cache, value_cache, table
-
-
-def bench_prefill(ops, device: str, dtype: torch.dtype, head_dim: int, batch: int, seqlen: int,
+def bench_prefill(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch: int, seqlen: int,
                   smoke: bool) -> PrefillPoint:
+    """Time `ops.prefill_attention` (causal, paged) on `batch` sequences of `seqlen` tokens, and on CUDA
+    SDPA flash on the same shape."""
     heads = 2048 // head_dim if not smoke else 2
     kv_heads = max(1, heads // 4)
     k_cache, v_cache, table = paged_cache([seqlen] * batch, kv_heads, head_dim, dtype, device)
@@ -116,8 +106,9 @@ def bench_prefill(ops, device: str, dtype: torch.dtype, head_dim: int, batch: in
     return PrefillPoint(head_dim, batch, seqlen, flops / ms / 1e9, sdpa)
 
 
-def bench_decode(ops, device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
+def bench_decode(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
                  peak: float | None, smoke: bool) -> DecodePoint:
+    """Time `ops.decode_attention` and the torch reference on `batch` sequences of `context` cached tokens."""
     heads = 2048 // head_dim if not smoke else 2
     kv_heads = max(1, heads // 4)
     k_cache, v_cache, table = paged_cache([context] * batch, kv_heads, head_dim, dtype, device)
@@ -131,11 +122,8 @@ def bench_decode(ops, device: str, dtype: torch.dtype, head_dim: int, batch: int
 
 
 def plot(prefill: list[PrefillPoint], decode: list[DecodePoint], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Prefill TFLOP/s against sequence length; decode GB/s against batch, next to the peak."""
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for hd in sorted({p.head_dim for p in prefill}):
         pts = sorted((p for p in prefill if p.head_dim == hd and p.batch == 1), key=lambda p: p.seqlen)
@@ -161,9 +149,7 @@ def plot(prefill: list[PrefillPoint], decode: list[DecodePoint], path: Path, tit
     ax2.set_title("paged decode attention")
     ax2.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def measure_kernels(prefill_grid: list[tuple[int, int, int]], decode_grid: list[tuple[int, int, int]],
@@ -197,14 +183,10 @@ def measure_kernels(prefill_grid: list[tuple[int, int, int]], decode_grid: list[
     return result
 
 
-def run_kernel_benchmark(out_dir: str = "bench_results", smoke: bool = False) -> dict:
-    """Run the grid, print tables, write JSON + PNG. Raises RuntimeError without CUDA (unless smoke)."""
-    if smoke:
-        prefill_grid, decode_grid = SMOKE_PREFILL_GRID, SMOKE_DECODE_GRID
-    else:
-        prefill_grid = [(hd, b, s) for hd in (64, 128) for b, s in
-                        ((1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (4, 2048), (16, 1024))]
-        decode_grid = [(hd, b, c) for hd in (64, 128) for b in (1, 8, 32, 64, 128) for c in (1024, 4096)]
+def run_kernel_benchmark(out_dir: str | Path = "bench_results", smoke: bool = False) -> dict[str, Any]:
+    """Run the grid (workload.kernel_grids), print tables, write `kernels.json` and `kernels.png` into
+    `out_dir`; returns the JSON dict. Raises RuntimeError without CUDA (unless smoke)."""
+    prefill_grid, decode_grid = kernel_grids(smoke)
     measured = measure_kernels(prefill_grid, decode_grid, smoke)
     name, dtype, peak, prefill, decode = (measured.device, measured.dtype, measured.peak_gbs, measured.prefill,
                                           measured.decode)
@@ -218,11 +200,7 @@ def run_kernel_benchmark(out_dir: str = "bench_results", smoke: bool = False) ->
     for d in decode:
         pct = f"{100 * d.tritium_gbs / d.peak_gbs:.0f}" if d.peak_gbs else "-"
         print(f"{'':<8}{d.head_dim:>5}{d.batch:>7}{d.context:>8}{d.tritium_gbs:>14.0f}{d.torch_gather_gbs:>12.0f}{pct:>8}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {"device": name, "dtype": dtype, "peak_gbs": peak,
               "prefill": [asdict(p) for p in prefill], "decode": [asdict(d) for d in decode]}
-    (out / "kernels.json").write_text(json.dumps(report, indent=2))
-    plot(prefill, decode, out / "kernels.png", f"tritium kernels on {name}")
-    print(f"wrote {out / 'kernels.json'} and {out / 'kernels.png'}")
+    write_report(out_dir, "kernels", report, lambda path: plot(prefill, decode, path, f"tritium kernels on {name}"))
     return report

@@ -1,47 +1,47 @@
 """Offline throughput: tritium's continuous batcher against transformers' `generate`, one run.
 
 Workload: N requests with prompt lengths spread evenly over [min_prompt, max_prompt] tokens
-(random non-special token ids, fixed seed), `output_len` new tokens each, greedy, ignore_eos.
+(workload.random_token_prompts: random non-special token ids, fixed seed), `output_len` new tokens each,
+greedy, ignore_eos.
 transformers runs them one at a time and in static batches of 8 (left padding).
 Results: a table on stdout, `offline.json` and `offline.png` in `out_dir`.
 """
 
 from __future__ import annotations
 
-import json
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.models.registry import resolve_model
+from tritium.client.bench.report import machine_info, pyplot, save_figure, write_report
+from tritium.client.bench.workload import random_token_prompts
 
 
 @dataclass
 class BenchResult:
+    """One engine's run: output tokens generated in `seconds` of wall time."""
+
     name: str
     output_tokens: int
     seconds: float
 
     @property
     def tokens_per_s(self) -> float:
+        """Output tokens per second (AIPerf: output_token_throughput, tokens/sec)."""
         return self.output_tokens / self.seconds
 
 
-def make_prompts(n: int, lo: int, hi: int, vocab: int, first_normal_id: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = [round(lo + (hi - lo) * i / max(1, n - 1)) for i in range(n)]
-    return [torch.randint(first_normal_id, vocab, (n_tok,), generator=g).tolist() for n_tok in lengths]
-
-
 def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int,
-                  **engine_settings: object) -> tuple[BenchResult, dict]:
-    """tritium's continuous batcher on the default model; `engine_settings` are further EngineConfig fields
-    (max_num_batched_tokens defaults to 2048 here)."""
+                  **engine_settings: Any) -> tuple[BenchResult, dict[str, Any]]:
+    """tritium's continuous batcher on the default model, after a short warm-up; returns the run and its
+    per-step figures (steps, step / model / overhead ms per step, overhead fraction). `engine_settings` are
+    further EngineConfig fields (max_num_batched_tokens defaults to 2048 here)."""
     llm = LLM(None, max_num_seqs=max_num_seqs, **{"max_num_batched_tokens": 2048, **engine_settings})
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -91,11 +91,8 @@ def bench_transformers(prompts: list[list[int]], output_len: int, batch_size: in
 
 
 def plot(results: list[BenchResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Output tokens / s per engine, tritium's bar in red."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r.name for r in results]
     values = [r.tokens_per_s for r in results]
@@ -104,9 +101,7 @@ def plot(results: list[BenchResult], path: Path) -> None:
     ax.set_xlabel("output tokens / s (higher is better)")
     ax.set_title("Offline throughput, SmolLM2-135M fp32, CPU")
     ax.set_xlim(0, max(values) * 1.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def run_offline_benchmark(
@@ -115,11 +110,12 @@ def run_offline_benchmark(
     min_prompt: int = 32,
     max_prompt: int = 256,
     skip_transformers: bool = False,
-    out_dir: str = "bench_results",
+    out_dir: str | Path = "bench_results",
     max_num_seqs: int = 64,
-) -> dict:
-    """Run the benchmark, print the table and ratios, write JSON + PNG; returns the JSON dict."""
-    prompts = make_prompts(num_requests, min_prompt, max_prompt, vocab=49152, first_normal_id=17)
+) -> dict[str, Any]:
+    """Run the benchmark, print the table and ratios, write `offline.json` and `offline.png` into `out_dir`;
+    returns the JSON dict."""
+    prompts = random_token_prompts(num_requests, min_prompt, max_prompt)
     results = []
     tritium, overhead = bench_tritium(prompts, output_len, max_num_seqs)
     results.append(tritium)
@@ -135,17 +131,12 @@ def run_offline_benchmark(
         f"tritium per step: {overhead['step_ms_avg']:.1f} ms, of which model {overhead['model_ms_avg']:.1f} ms and "
         f"Python overhead {overhead['overhead_ms_avg']:.2f} ms ({100 * overhead['overhead_fraction']:.1f}%)"
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "workload": {"num_requests": num_requests, "output_len": output_len, "min_prompt": min_prompt,
                      "max_prompt": max_prompt, "greedy": True, "ignore_eos": True},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
+        "machine": machine_info(),
         "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
         "tritium_step_overhead": overhead,
     }
-    (out / "offline.json").write_text(json.dumps(report, indent=2))
-    plot(results, out / "offline.png")
-    print(f"wrote {out / 'offline.json'} and {out / 'offline.png'}")
+    write_report(out_dir, "offline", report, lambda path: plot(results, path))
     return report

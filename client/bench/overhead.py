@@ -1,23 +1,22 @@
 """`tritium bench overhead`: what serving through tritonserver costs, against the engine in this process.
 
-Workload, per scenario: `num_requests` prompts of ~48 tokens (random ordinary tokens of the default
-tokenizer, fixed seed), 128 output tokens each, greedy, ignore_eos, in a closed loop at concurrency C
-(C requests in flight; when one finishes the next starts). Scenarios: the tiny model (a random 2-layer
-Llama, hidden 64, the default tokenizer's 49,152-token vocabulary; its forward pass costs almost nothing,
-so what is left is scheduling, sampling, detokenizing and serving) at C = 64 and 1, and the default model
-(SmolLM2-135M) at C = 1 and 32. Both paths use the same engine settings: max_num_seqs = C, the same
-max_num_batched_tokens and kv_cache_bytes.
+Workload, per scenario: `num_requests` prompts of ~48 tokens (workload.synthetic_prompts), 128 output tokens
+each, greedy, ignore_eos, in a closed loop at concurrency C (C requests in flight; when one finishes the next
+starts). Scenarios: the tiny model (a random 2-layer Llama, hidden 64, the default tokenizer's 49,152-token
+vocabulary; its forward pass costs almost nothing, so what is left is scheduling, sampling, detokenizing and
+serving) at C = 64 and 1, and the default model (SmolLM2-135M) at C = 1 and 32. Both paths use the same
+engine settings: max_num_seqs = C, the same max_num_batched_tokens and kv_cache_bytes.
 
 In-process: `llm.engine` driven directly (add_request / step). Served: the same engine in a tritonserver
 of its own (a temporary repository with only the `tritium` model), streamed over gRPC (`bench serve`'s
-client). Both report what `bench_serve.summarize` reports, defined as genai-perf does: per request,
-TTFT = first output with tokens - send (in-process: add_request) time, latency = final output - send
-time, ITL = (latency - TTFT) / (output tokens - 1); output token throughput = tokens / wall time.
+client, bench/load.py). Both are summarized by report.summarize, with genai-perf's / AIPerf's definitions:
+per request, TTFT = first output with tokens - send (in-process: add_request) time, latency = final output -
+send time, ITL = (latency - TTFT) / (output tokens - 1); output token throughput = tokens / wall time.
 
 Ratios: throughput served / in-process, ITL in-process p50 / served p50 (both >= 0.90 on the tiny model
 and >= 0.95 on the default one is the goal). In-process host time per step = (engine step time - model
 forward time) / steps, against the goal 1 ms + 15 us per running sequence. Writes overhead.json and
-overhead.png. The file imports only long-standing parts of tritium, so that it also measures older commits.
+overhead.png.
 
 On a small CPU run it with nothing else busy: torch's intra-op threads make the forward pass many times
 slower when another process holds a core. OMP_NUM_THREADS (the server inherits it) sets them in both paths.
@@ -25,12 +24,9 @@ slower when another process holds a core. OMP_NUM_THREADS (the server inherits i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -44,30 +40,51 @@ from tqdm import tqdm
 import tritium.backend
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.models.registry import resolve_model
-from tritium.client.bench.serve import RequestRecord, run_load, summarize, synthetic_prompts, triton_request
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY, ServerOptions, TritonServer
+from tritium.client.bench.load import connect, run_load
+from tritium.client.bench.report import (
+    RequestRecord,
+    load_average,
+    machine_info,
+    pyplot,
+    save_figure,
+    stat,
+    summarize,
+    write_report,
+)
+from tritium.client.bench.workload import synthetic_prompts
+from tritium.client.triton.launcher import ServerOptions, TritonServer
+from tritium.client.triton.repository import PACKAGE_REPOSITORY, one_model_repository
 
 INPUT_LEN = 48
 OUTPUT_LEN = 128
+QUICK_OUTPUT_LEN = 16
 KV_CACHE_BYTES = 1 << 30
 PORT_BASE = 18200
 GOALS = {"tiny": 0.90, "default": 0.95}
 HOST_STEP_BASE_MS, HOST_STEP_PER_SEQ_MS = 1.0, 0.015
+# requests per scenario (kind, concurrency), in full and --quick runs
+REQUESTS = {("tiny", 64): 128, ("tiny", 1): 16, ("default", 1): 4, ("default", 32): 64}
+QUICK_REQUESTS = {("tiny", 64): 16, ("tiny", 1): 2, ("default", 1): 1, ("default", 32): 4}
 
 
 @dataclass
 class Scenario:
-    kind: str  # "tiny" or "default"
+    """One measured setting: the model (`kind`: "tiny" or "default"), the concurrency and the request count."""
+
+    kind: str
     concurrency: int
     num_requests: int
 
     @property
     def name(self) -> str:
+        """`kind c=concurrency`."""
         return f"{self.kind} c={self.concurrency}"
 
 
 @dataclass
 class InProcessRun:
+    """The in-process path's requests and wall time, and the engine's step / model time over the run."""
+
     records: list[RequestRecord]
     duration_s: float
     steps: int = 0
@@ -141,6 +158,9 @@ def run_in_process(llm: LLM, prompts: list[str], output_len: int, concurrency: i
 
 
 def in_process_summary(run: InProcessRun) -> dict[str, Any]:
+    """report.summarize of the run plus the engine's figures (plain numbers): `engine_steps`,
+    `step_ms_per_step`, `model_ms_per_step`, `host_ms_per_step`, `mean_running_per_step`,
+    `host_goal_ms_per_step` and `host_goal_met`."""
     steps = max(run.steps, 1)
     running = sum(run.running_per_step) / len(run.running_per_step) if run.running_per_step else 0.0
     host_ms = 1e3 * (run.step_s - run.model_s) / steps
@@ -152,40 +172,24 @@ def in_process_summary(run: InProcessRun) -> dict[str, Any]:
     }
 
 
-def write_repository(dest: Path, model: str | None, concurrency: int, max_pending: int) -> Path:
-    """A Triton model repository with only the packaged `tritium` model, its model.json set for a scenario."""
-    src, version = PACKAGE_REPOSITORY / "tritium", dest / "tritium" / "1"
-    version.mkdir(parents=True)
-    shutil.copy(src / "config.pbtxt", dest / "tritium" / "config.pbtxt")
-    shutil.copy(src / "1" / "model.py", version / "model.py")
-    settings = json.loads((src / "1" / "model.json").read_text(encoding="utf-8"))
-    settings |= {"model": model, "max_pending_requests": max_pending, **engine_limits(concurrency)}
-    (version / "model.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
-    return dest
-
-
 async def _served_load(grpc_url: str, prompts: list[str], output_len: int, concurrency: int,
                        label: str) -> tuple[list[RequestRecord], float]:
-    import tritonclient.grpc.aio as grpcaio
-
-    client = grpcaio.InferenceServerClient(grpc_url)
-    try:
-        warm = await triton_request(client, "tritium", prompts[0], 4, None)
+    async with connect("triton", grpc_url, "tritium", output_len) as send:
+        warm = await send(prompts[0], 4)
         if not warm.ok:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
-
-        async def send(prompt: str) -> RequestRecord:
-            return await triton_request(client, "tritium", prompt, output_len, None)
-
         return await run_load(send, prompts, concurrency, None, label)
-    finally:
-        await client.close()
 
 
 def run_served(scenario: Scenario, model: str | None, prompts: list[str], output_len: int,
                port: int) -> tuple[list[RequestRecord], float]:
+    """The served path: a tritonserver of its own on ports port..port+2 (a temporary one-model repository with
+    the scenario's engine settings), the closed loop over gRPC; returns the records and the wall time. Raises
+    RuntimeError when the server does not start or the warm-up request fails."""
     with tempfile.TemporaryDirectory(prefix="tritium-overhead-") as tmp:
-        repo = write_repository(Path(tmp), model, scenario.concurrency, max(256, 2 * len(prompts)))
+        settings = {"model": model, "max_pending_requests": max(256, 2 * len(prompts)),
+                    **engine_limits(scenario.concurrency)}
+        repo = one_model_repository(Path(tmp), settings)
         options = ServerOptions(model_repository=repo, http_port=port, grpc_port=port + 1, metrics_port=port + 2,
                                 model_control="explicit", load_models=["tritium"])
         with TritonServer(options) as server:
@@ -194,6 +198,8 @@ def run_served(scenario: Scenario, model: str | None, prompts: list[str], output
 
 
 def run_scenario(scenario: Scenario, model: str | None, output_len: int, port: int) -> dict[str, Any]:
+    """Both paths of one scenario, one after the other; returns its part of the report (summaries of both
+    paths, the ratios, every request's record)."""
     prompts = synthetic_prompts(scenario.num_requests, INPUT_LEN)
     load_before = os.getloadavg()[0]
     llm = LLM(model, **engine_limits(scenario.concurrency))
@@ -203,49 +209,31 @@ def run_scenario(scenario: Scenario, model: str | None, output_len: int, port: i
     gc.collect()
     served_records, served_s = run_served(scenario, model, prompts, output_len, port)
     inp, srv = in_process_summary(local), summarize(served_records, served_s)
-    itl_in, itl_srv = inp["inter_token_latency_s"].get("p50"), srv["inter_token_latency_s"].get("p50")
+    itl_in, itl_srv = stat(inp, "inter_token_latency", "p50"), stat(srv, "inter_token_latency", "p50")
     return {
         **asdict(scenario), "name": scenario.name, "model": model, "output_len": output_len, "input_len": INPUT_LEN,
         "engine": engine_limits(scenario.concurrency), "goal": GOALS[scenario.kind],
-        "throughput_ratio": srv["output_token_throughput_per_s"] / max(inp["output_token_throughput_per_s"], 1e-9),
+        "throughput_ratio": stat(srv, "output_token_throughput") / max(stat(inp, "output_token_throughput"), 1e-9),
         "itl_ratio": itl_in / itl_srv if itl_in and itl_srv else None,
         "in_process": inp, "served": srv, "load_average_1m": [load_before, os.getloadavg()[0]],
         "requests": {"in_process": [asdict(r) for r in local.records], "served": [asdict(r) for r in served_records]},
     }
 
 
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    try:
-        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        lines = []
-    cpu_model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-    return {"processor": platform.processor(), "cpu_model": cpu_model, "machine": platform.machine(),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "tritium_backend": tritium.backend.__file__, "model_repository": str(PACKAGE_REPOSITORY)}
-
-
 def print_table(results: list[dict[str, Any]]) -> None:
-    def ms(summary: dict[str, Any], key: str, stat: str = "p50") -> float:
-        return 1e3 * summary[key].get(stat, 0.0)
-
+    """The ratios table, then a line per scenario saying which goals were met."""
     print(f"\n{'scenario':<13}{'in tok/s':>10}{'srv tok/s':>10}{'ratio':>7}{'in ITL p50/p99':>16}"
           f"{'srv ITL p50/p99':>17}{'ITL ratio':>10}{'in TTFT p50':>12}{'srv TTFT p50':>13}{'host ms/step':>13}"
           f"{'srv tok/resp':>13}")
     for r in results:
         inp, srv = r["in_process"], r["served"]
         itl = "n/a" if r["itl_ratio"] is None else f"{r['itl_ratio']:.3f}"
-        in_itl = f"{ms(inp, 'inter_token_latency_s'):.2f}/{ms(inp, 'inter_token_latency_s', 'p99'):.2f}"
-        srv_itl = f"{ms(srv, 'inter_token_latency_s'):.2f}/{ms(srv, 'inter_token_latency_s', 'p99'):.2f}"
-        ttft = f"{ms(inp, 'time_to_first_token_s'):>10.1f}ms{ms(srv, 'time_to_first_token_s'):>11.1f}ms"
-        print(f"{r['name']:<13}{inp['output_token_throughput_per_s']:>10.1f}"
-              f"{srv['output_token_throughput_per_s']:>10.1f}{r['throughput_ratio']:>7.3f}{in_itl:>16}{srv_itl:>17}"
-              f"{itl:>10}{ttft}{inp['host_ms_per_step']:>13.3f}{srv.get('tokens_per_response', 0):>13.2f}")
+        in_itl = f"{stat(inp, 'inter_token_latency', 'p50'):.2f}/{stat(inp, 'inter_token_latency', 'p99'):.2f}"
+        srv_itl = f"{stat(srv, 'inter_token_latency', 'p50'):.2f}/{stat(srv, 'inter_token_latency', 'p99'):.2f}"
+        ttft = f"{stat(inp, 'time_to_first_token', 'p50'):>10.1f}ms{stat(srv, 'time_to_first_token', 'p50'):>11.1f}ms"
+        print(f"{r['name']:<13}{stat(inp, 'output_token_throughput'):>10.1f}"
+              f"{stat(srv, 'output_token_throughput'):>10.1f}{r['throughput_ratio']:>7.3f}{in_itl:>16}{srv_itl:>17}"
+              f"{itl:>10}{ttft}{inp['host_ms_per_step']:>13.3f}{stat(srv, 'tokens_per_response'):>13.2f}")
     print()
     for r in results:
         goal, inp = r["goal"], r["in_process"]
@@ -258,22 +246,19 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Throughput and ITL p50 of both paths per scenario, the throughput ratio under each pair."""
     import numpy as np
 
+    plt = pyplot()
     names = [r["name"] for r in results]
     x, width = np.arange(len(results)), 0.38
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, stat, scale, label in (
-        (axes[0], "output_token_throughput_per_s", None, 1.0, "output tokens / s"),
-        (axes[1], "inter_token_latency_s", "p50", 1e3, "ITL p50 (ms)"),
+    for ax, metric, name, label in (
+        (axes[0], "output_token_throughput", "avg", "output tokens / s"),
+        (axes[1], "inter_token_latency", "p50", "ITL p50 (ms)"),
     ):
         for offset, path_name, color in ((-width / 2, "in_process", "tab:blue"), (width / 2, "served", "tab:orange")):
-            values = [(r[path_name][key] if stat is None else r[path_name][key].get(stat, 0.0)) * scale
-                      for r in results]
+            values = [stat(r[path_name], metric, name) for r in results]
             bars = ax.bar(x + offset, values, width, label=path_name.replace("_", "-"), color=color)
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
         ax.set_xticks(x, names)
@@ -284,30 +269,31 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                          ha="center", fontsize=8)
     axes[0].set_title("throughput (served / in-process below)")
     axes[1].set_title("inter-token latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def scenarios(quick: bool, skip_tiny: bool, skip_default: bool, num_requests: int | None) -> list[Scenario]:
-    counts = {("tiny", 64): 128, ("tiny", 1): 16, ("default", 1): 4, ("default", 32): 64}
-    if quick:
-        counts = {("tiny", 64): 16, ("tiny", 1): 2, ("default", 1): 1, ("default", 32): 4}
+    """The scenarios to run, in order (`num_requests` replaces every scenario's own count)."""
     skipped = {"tiny"} if skip_tiny else set()
     skipped |= {"default"} if skip_default else set()
+    counts = QUICK_REQUESTS if quick else REQUESTS
     return [Scenario(kind, c, num_requests or n) for (kind, c), n in counts.items() if kind not in skipped]
 
 
-def run_overhead_benchmark(out_dir: str = "bench_results", quick: bool = False, skip_tiny: bool = False,
+def run_overhead_benchmark(out_dir: str | Path = "bench_results", quick: bool = False, skip_tiny: bool = False,
                            skip_default: bool = False, tiny_model: str | None = None, num_requests: int | None = None,
                            output_len: int | None = None) -> dict[str, Any]:
-    """Run every scenario in both paths, print the table and the goals, write overhead.json and .png."""
-    output_len = output_len or (16 if quick else OUTPUT_LEN)
+    """Run every scenario in both paths, print the table and the goals, write overhead.json and .png into
+    `out_dir`; returns the JSON dict (`machine`, `quick`, `wall_s`, `scenarios`). Without `tiny_model` a tiny
+    checkpoint is written to a temporary folder (removed at the end). Raises RuntimeError when a served path
+    cannot start."""
+    output_len = output_len or (QUICK_OUTPUT_LEN if quick else OUTPUT_LEN)
     todo = scenarios(quick, skip_tiny, skip_default, num_requests)
     print(f"tritium.backend: {tritium.backend.__file__}; served model.py from {PACKAGE_REPOSITORY}")
     print(f"{len(todo)} scenarios, ~{INPUT_LEN} prompt / {output_len} output tokens, greedy, ignore_eos; load "
           f"average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (anything else running skews the figures)")
     started = time.perf_counter()
+    loadavg_before = load_average()
     tmp_model: str | None = None
     if tiny_model is None and not skip_tiny:
         from tritium.backend.models.random_checkpoint import write_random_llama
@@ -324,39 +310,20 @@ def run_overhead_benchmark(out_dir: str = "bench_results", quick: bool = False, 
         if tmp_model:
             shutil.rmtree(tmp_model, ignore_errors=True)
     print_table(results)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_info(), "quick": quick, "wall_s": time.perf_counter() - started,
-              "scenarios": results}
-    (out / "overhead.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    plot(results, out / "overhead.png")
-    print(f"wrote {out / 'overhead.json'} and {out / 'overhead.png'} ({report['wall_s']:.0f} s)")
+    report = {"machine": machine_info(loadavg_before=loadavg_before, tritium_backend=tritium.backend.__file__,
+                                      model_repository=str(PACKAGE_REPOSITORY)),
+              "quick": quick, "wall_s": time.perf_counter() - started, "scenarios": results}
+    write_report(out_dir, "overhead", report, lambda path: plot(results, path))
+    print(f"({report['wall_s']:.0f} s)")
     return report
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out-dir", default="bench_results")
-    p.add_argument("--quick", action="store_true", help="few requests, short outputs: checks the script itself")
-    p.add_argument("--skip-tiny", action="store_true", help="leave out the tiny-model scenarios")
-    p.add_argument("--skip-default", action="store_true", help="leave out the default-model scenarios")
-    p.add_argument("--tiny-model", default=None, help="an existing tiny checkpoint folder (else one is written)")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests in every scenario (default: tiny 128 at c=64, 16 at c=1; default 64 / 4)")
-    p.add_argument("--output-len", type=int, default=None, help=f"output tokens per request (default {OUTPUT_LEN})")
-
-
 def has_errors(report: dict[str, Any]) -> bool:
-    return any(r[path]["errors"] for r in report["scenarios"] for path in ("in_process", "served"))
+    """Whether any request failed, in either path of any scenario."""
+    return any(stat(r[path], "error_request_count") for r in report["scenarios"] for path in ("in_process", "served"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    add_arguments(parser)
-    a = parser.parse_args(argv)
-    report = run_overhead_benchmark(a.out_dir, a.quick, a.skip_tiny, a.skip_default, a.tiny_model, a.num_requests,
-                                    a.output_len)
-    return 1 if has_errors(report) else 0
+if __name__ == "__main__":  # python -m tritium.client.bench.overhead [options] == tritium bench overhead [options]
+    from tritium.client.cli.main import main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "overhead", *sys.argv[1:]]))

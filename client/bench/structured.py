@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -46,12 +45,14 @@ import torch
 from tqdm import tqdm
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.config import RequestOutput
 from tritium.backend.engine import EngineStats
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.constraint import StructuredOutput
 from tritium.backend.tokenizer import Tokenizer
+from tritium.client.bench.report import distribution, load_average, machine_info, pyplot, save_figure, write_report
 from tritium.client.bench.schemas import SCHEMAS, UNSUPPORTED
+from tritium.client.bench.workload import json_schema_prompts
 from tritium.kernels import reference
 
 SEED = 1234
@@ -91,6 +92,7 @@ class ThroughputRun:
 
     @property
     def tokens_per_s(self) -> float:
+        """Output tokens per second of wall time."""
         return self.output_tokens / self.seconds
 
 
@@ -114,10 +116,10 @@ class Timings:
 
     @classmethod
     def of(cls, seconds: list[float]) -> Timings:
-        ms = np.asarray(seconds, dtype=float) * 1000
-        if ms.size == 0:
-            return cls(0, float("nan"), float("nan"), float("nan"))
-        return cls(int(ms.size), float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), float(ms.mean()))
+        """The timings of `seconds` (NaN figures when there are none)."""
+        block = distribution((1000 * s for s in seconds), "ms")
+        nan = float("nan")
+        return cls(len(seconds), block.get("p50", nan), block.get("p99", nan), block.get("avg", nan))
 
 
 @dataclass
@@ -172,6 +174,7 @@ class OtherCpu:
         return t.user + t.system
 
     def cores(self) -> float | None:
+        """CPU cores the other processes used on average since construction (None without /proc/stat)."""
         busy0, own0, t0 = self._start
         busy = self._busy_s()
         if busy is None or busy0 is None:
@@ -180,6 +183,7 @@ class OtherCpu:
 
 
 def settings_for(num_requests: int, output_len: int, repeats: int, smoke: bool) -> Settings:
+    """The run's sizes: as given, or (`smoke`) a few requests and tokens, one repeat, a few mask steps."""
     if smoke:
         return Settings(num_requests=min(num_requests, 4), output_len=min(output_len, 8), repeats=1,
                         compile_rounds=1, mask_steps=5, mask_warmup_steps=2, apply_iters=5)
@@ -192,18 +196,6 @@ def _specs(schemas: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, Structu
 
 
 # --- 1. throughput ---------------------------------------------------------------------------------------
-
-
-def make_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
-    """Request i asks (through the chat template) for a JSON object of schema i % len(SCHEMAS)."""
-    prompts = []
-    for i in range(n):
-        subject = SCHEMAS[i % len(SCHEMAS)][0].replace("_", " ")
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Write a JSON object describing a {subject}. Reply with the JSON only."}],
-            True)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
-    return prompts
 
 
 def _params(mode: str, n: int, max_tokens: int, lengths: list[int] | None = None) -> list[SamplingParams]:
@@ -260,7 +252,7 @@ def _timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
 def bench_throughput(llm: LLM, s: Settings) -> tuple[list[ThroughputRun], list[Trajectory]]:
     """Warm-up, then `repeats` x (constrained, free, matched); the runs and the last constrained outputs."""
     n = s.num_requests
-    prompts = make_prompts(llm.tokenizer, n)
+    prompts = json_schema_prompts(llm.tokenizer, n)
     warm = min(4, s.output_len)
     for mode in ("constrained", "free"):
         print(f"warm-up ({mode}, {warm} tokens)")
@@ -284,6 +276,8 @@ def bench_throughput(llm: LLM, s: Settings) -> tuple[list[ThroughputRun], list[T
 
 
 def throughput_summary(runs: list[ThroughputRun]) -> dict[str, Any]:
+    """Per mode the medians over its runs and the engine's step time split; the constrained / matched and
+    constrained / free throughput ratios (of the medians)."""
     modes: dict[str, Any] = {}
     for mode in MODES:
         mine = [r for r in runs if r.mode == mode]
@@ -545,11 +539,8 @@ def bench_xgrammar(tokenizer: Tokenizer, model_path: Path, vocab: int, eos: list
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Throughput per mode, compile times and mask times per library."""
+    plt = pyplot()
     fig, (ax_tp, ax_compile, ax_mask) = plt.subplots(1, 3, figsize=(16, 4.5))
     modes = report["throughput"]["summary"]["modes"]
     labels = {"constrained": "constrained\n(JSON schema)", "free": "unconstrained\nsame max_tokens",
@@ -603,12 +594,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax_mask.set_title("Token masks per step (llg: llguidance, xgr: xgrammar;\napply: reference.apply_token_bitmask)",
                       fontsize=10)
     fig.suptitle("Structured output (llguidance), SmolLM2-135M, CPU: shared machine, see JSON for load", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def print_summary(report: dict[str, Any]) -> None:
+    """The throughput table and ratios, the compile / mask timings per library and the schema coverage."""
     w = report["workload"]
     tp = report["throughput"]
     print(f"\n{w['num_requests']} requests at once, max_tokens {w['output_len']}, temperature 1, "
@@ -667,7 +657,7 @@ def run_structured_benchmark(out_dir: str | Path = "bench_results", num_requests
     """Run every section, print the summary, write `structured.json` and `structured.png` in `out_dir`;
     returns the JSON dict. `smoke`: a few requests and tokens, one repeat, one compile round (for CI)."""
     s = settings_for(num_requests, output_len, repeats, smoke)
-    loadavg_before = [round(x, 2) for x in os.getloadavg()]
+    loadavg_before = load_average()
     others = OtherCpu()
     t_start = time.perf_counter()
     llm = LLM(None, max_num_seqs=max(32, s.num_requests), max_num_batched_tokens=2048)
@@ -684,11 +674,8 @@ def run_structured_benchmark(out_dir: str | Path = "bench_results", num_requests
                      "repeats": s.repeats, "temperature": 1.0, "seed": SEED, "smoke": smoke,
                      "compile_rounds": s.compile_rounds, "mask_steps": s.mask_steps, "schemas": len(SCHEMAS),
                      "device": str(engine.device), "dtype": str(engine.dtype)},
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads(), "loadavg_before": loadavg_before,
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                    "other_cpu_cores": others.cores(),
-                    "note": "wall-clock timings on a machine shared with other work"},
+        "machine": machine_info(loadavg_before=loadavg_before, other_cpu_cores=others.cores(),
+                                note="wall-clock timings on a machine shared with other work"),
         "throughput": {"runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs],
                        "summary": throughput_summary(runs)},
         "libraries": [asdict(lib) for lib in libraries],
@@ -696,10 +683,6 @@ def run_structured_benchmark(out_dir: str | Path = "bench_results", num_requests
         "xgrammar_skipped": xgrammar if isinstance(xgrammar, str) else None,
         "wall_s": time.perf_counter() - t_start,
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "structured.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "structured.png")
     print_summary(report)
-    print(f"wrote {out / 'structured.json'} and {out / 'structured.png'}")
+    write_report(out_dir, "structured", report, lambda path: plot(report, path))
     return report

@@ -26,7 +26,7 @@ import tritium.backend
 import tritium.kernels
 from tritium.backend import EngineConfig, LLMEngine, SamplingParams
 from tritium.backend.models.registry import resolve_model
-from tritium.client.bench.offline import make_prompts
+from tritium.client.bench.workload import random_token_prompts
 from tritium.client.checks.report import FAIL, PASS, SKIP, Outcome
 
 GPU_MEMORY_UTILIZATION = 0.4
@@ -64,6 +64,7 @@ class SharedEngine:
         self._error: Exception | None = None
 
     def get(self) -> LLMEngine:
+        """The engine, built on the first call. Raises what building it raised (later calls: RuntimeError)."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed to start: {self._error}")
         if self._engine is None:
@@ -75,6 +76,7 @@ class SharedEngine:
         return self._engine
 
     def close(self) -> None:
+        """Drop the engine and give its memory back (a later get() builds a new one)."""
         self._engine = None
         gc.collect()
         if torch.cuda.is_available():
@@ -122,6 +124,7 @@ def hf_greedy(prompts: list[list[int]], max_new_tokens: int, device: str, dtype:
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -155,7 +158,7 @@ def check_parity(shared: SharedEngine, smoke: bool) -> Outcome:
 def start_decoding(engine: LLMEngine, n: int, max_tokens: int, tag: str) -> list[str]:
     """Add `n` greedy requests (prompts of 64-192 random ordinary tokens, ignore_eos) and step until every
     one has produced a token, so that the next steps are decode steps of the whole batch."""
-    prompts = make_prompts(n, 64, 192, vocab=engine.model_config.vocab_size, first_normal_id=17, seed=1)
+    prompts = random_token_prompts(n, 64, 192, vocab=engine.model_config.vocab_size, seed=1)
     ids = [f"gpu-check-{tag}-{i}" for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for rid, prompt in zip(ids, prompts, strict=True):
@@ -169,6 +172,7 @@ def start_decoding(engine: LLMEngine, n: int, max_tokens: int, tag: str) -> list
 
 
 def finish(engine: LLMEngine, ids: list[str]) -> None:
+    """Abort `ids` and step until the engine has nothing left."""
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished_requests():

@@ -1,12 +1,12 @@
 """`tritium gpu-check` / `make gpu-check`: one command that checks tritium on a GPU in about 5 minutes.
 
 Steps, each timed and reported pass / fail / skip with its figures (a failed step does not stop the run):
-  1  kernels vs reference   every Triton kernel against its torch reference at GPU tiles (kernel_check.py)
+  1  kernels vs reference   every Triton kernel against its torch reference at GPU tiles (checks/kernels.py)
   2  greedy parity          the engine's greedy tokens against transformers, same device and dtype
   3  sync-free decode       decode steps under torch.cuda.set_sync_debug_mode: one sync per step allowed
-  3b step timing            a batch-64 decode step's host time against its GPU time (engine_check.py)
-  4  kernel benchmark       prefill TFLOP/s next to SDPA flash, decode GB/s next to the peak (bench_kernels.py)
-  5  offline throughput     tritium next to transformers on the default model (bench_offline.py)
+  3b step timing            a batch-64 decode step's host time against its GPU time (checks/engine.py)
+  4  kernel benchmark       prefill TFLOP/s next to SDPA flash, decode GB/s next to the peak (bench/kernels.py)
+  5  offline throughput     tritium next to transformers on the default model (bench/offline.py)
 then the goal verdicts. Writes gpu_check.json and gpu_check.png to --out and prints a one-screen summary.
 
 `--smoke` runs the same steps on a CPU with tiny shapes (the Triton interpreter, TRITON_INTERPRET=1, which
@@ -16,9 +16,7 @@ to check the script itself; its performance figures mean nothing and the CUDA-on
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import platform
 import subprocess
@@ -31,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tritium.client.bench.report import write_report
 from tritium.client.checks import report as report
 from tritium.client.checks.report import FAIL, PASS, Outcome, StepResult
 
@@ -43,6 +42,8 @@ GPU_DECODE_GRID = [(hd, 64, 4096) for hd in (64, 128)] + [(hd, b, 4096) for hd i
 
 @dataclass(frozen=True)
 class Workload:
+    """Step 5's requests (workload.random_token_prompts) and the transformers batch sizes it compares."""
+
     num_requests: int
     output_len: int
     min_prompt: int
@@ -56,6 +57,8 @@ SMOKE_WORKLOAD = Workload(4, 8, 16, 32, (4,))
 
 @dataclass(frozen=True)
 class Step:
+    """A step of the check: its number and name in the report, its title, what runs it."""
+
     number: str
     name: str
     title: str
@@ -63,10 +66,12 @@ class Step:
 
 
 def check_kernel_bench(smoke: bool) -> Outcome:
-    from tritium.client.bench.kernels import SMOKE_DECODE_GRID, SMOKE_PREFILL_GRID, measure_kernels
+    """Step 4: the kernel benchmark on the check's grid (within KERNEL_BENCH_BUDGET_S), or the smoke grid."""
+    from tritium.client.bench.kernels import measure_kernels
+    from tritium.client.bench.workload import kernel_grids
 
     if smoke:
-        measured = measure_kernels(SMOKE_PREFILL_GRID, SMOKE_DECODE_GRID, smoke=True)
+        measured = measure_kernels(*kernel_grids(smoke=True), smoke=True)
     else:
         measured = measure_kernels(GPU_PREFILL_GRID, GPU_DECODE_GRID, budget_s=KERNEL_BENCH_BUDGET_S)
     figures = asdict(measured)
@@ -90,9 +95,12 @@ def check_kernel_bench(smoke: bool) -> Outcome:
 
 
 def check_throughput(smoke: bool) -> Outcome:
+    """Step 5: offline throughput of tritium and transformers on the same prompts; fails when any of them
+    produced fewer than the requested tokens."""
     import torch
 
-    from tritium.client.bench.offline import bench_transformers, bench_tritium, make_prompts
+    from tritium.client.bench.offline import bench_transformers, bench_tritium
+    from tritium.client.bench.workload import random_token_prompts
     from tritium.client.checks.engine import (
         GPU_MEMORY_UTILIZATION,
         SMOKE_KV_CACHE_BYTES,
@@ -108,7 +116,7 @@ def check_throughput(smoke: bool) -> Outcome:
     else:
         device, dtype = "cuda", torch.bfloat16
         settings = {"device": "cuda", "gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
-    prompts = make_prompts(work.num_requests, work.min_prompt, work.max_prompt, vocab=49152, first_normal_id=17)
+    prompts = random_token_prompts(work.num_requests, work.min_prompt, work.max_prompt)
     tritium, step = bench_tritium(prompts, work.output_len, max_num_seqs=64, **settings)
     _free_memory()
     results = [tritium] + [bench_transformers(prompts, work.output_len, b, device, dtype)
@@ -150,6 +158,8 @@ def run_step(step: Step) -> StepResult:
 
 
 def machine_info(smoke: bool) -> dict[str, Any]:
+    """The device (or "cpu (smoke)"), GPU count, torch / CUDA / triton / transformers versions, python, platform,
+    the git commit and TRITON_INTERPRET."""
     import torch
     import triton
 
@@ -170,6 +180,7 @@ def machine_info(smoke: bool) -> dict[str, Any]:
 
 
 def git_commit() -> str | None:
+    """The checkout's HEAD commit, None outside a git checkout (or without git)."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
                              text=True, timeout=10)
@@ -213,18 +224,19 @@ def run_gpu_check(out_dir: str = DEFAULT_OUT, smoke: bool = False) -> dict[str, 
     header = (f"tritium gpu-check{' --smoke' if smoke else ''} on {machine['device']} (torch {machine['torch']}, "
               f"triton {machine['triton']}, commit {commit})")
     lines = report.summary_lines(header, results, goals, total)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     data = {"tool": "tritium gpu-check", "smoke": smoke, "started": started, "total_s": total, "machine": machine,
             "passed": all(r.status != FAIL for r in results), "steps": [asdict(r) for r in results],
             "goals": [asdict(g) for g in goals], "summary": lines}
-    (out / "gpu_check.json").write_text(json.dumps(data, indent=2, default=str))
-    try:
-        report.plot(by_name, out / "gpu_check.png", header)
-    except Exception:
-        traceback.print_exc()
+
+    def plot(path: Path) -> None:
+        try:
+            report.plot(by_name, path, header)
+        except Exception:  # the figures are in the JSON: a broken plot must not fail the check
+            traceback.print_exc()
+
+    path = write_report(out_dir, "gpu_check", data, plot)
     print("\n" + "\n".join(lines))
-    print(f"\nresults: {out / 'gpu_check.json'}, {out / 'gpu_check.png'}", flush=True)
+    print(f"\nresults: {path}, {path.with_suffix('.png')}", flush=True)
     return data
 
 
@@ -238,25 +250,12 @@ def ensure_interpreter(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "tritium.client.checks.gpu_check", *argv])
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes on the CPU (Triton interpreter): checks the script, not the GPU")
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="tritium gpu-check", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.smoke:
-        ensure_interpreter(argv)
-    try:
-        data = run_gpu_check(args.out, args.smoke)
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0 if data["passed"] else 1
+    """`python -m tritium.client.checks.gpu_check [--smoke] [--out DIR]`: the same as `tritium gpu-check`
+    (whose module declares the options); returns the exit status."""
+    from tritium.client.cli.main import main as cli_main
+
+    return cli_main(["gpu-check", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

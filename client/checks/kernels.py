@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tritium.client.bench.kernels import paged_cache
+from tritium.client.bench.workload import paged_cache
 from tritium.client.checks.report import FAIL, PASS, Outcome
 
 # atol = rtol per dtype: output rounding plus the kernels' different summation order
@@ -27,6 +27,8 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class Layout:
+    """A model's attention and MLP shapes."""
+
     name: str
     heads: int
     kv_heads: int
@@ -41,6 +43,8 @@ LLAMA_8B_LAYOUT = Layout("Llama-8B-like", 32, 8, 128, 4096, 14336)
 
 @dataclass(frozen=True)
 class Sizes:
+    """How many tokens / which sequence lengths each op runs on."""
+
     tokens: int  # rows for the elementwise kernels and store_kv
     prefill_contexts: list[int]  # per sequence: cached tokens ...
     prefill_queries: list[int]  # ... of which the last this many are queries (fewer: chunked / prefix hit)
@@ -55,6 +59,8 @@ SMOKE_SIZES = Sizes(37, [1, 17, 40], [1, 17, 9], [1, 16, 17, 50], 128)
 
 @dataclass
 class Case:
+    """One op on one layout and dtype: its largest error and whether it was within tolerance (or its error)."""
+
     op: str
     layout: str
     dtype: str

@@ -24,6 +24,8 @@ class Outcome:
 
 @dataclass
 class StepResult:
+    """A step's outcome as reported: its number, name, title, status, duration, summary and figures."""
+
     number: str  # "1", "2", "3", "3b", ...: the issue's numbering
     name: str
     title: str
@@ -35,6 +37,8 @@ class StepResult:
 
 @dataclass
 class Goal:
+    """A performance goal and its verdict."""
+
     goal: str
     verdict: str  # "met", "missed" or "not measured"
     value: str
@@ -85,11 +89,9 @@ def summary_lines(header: str, steps: list[StepResult], goals: list[Goal], total
 
 def plot(steps: dict[str, StepResult], path: Path, title: str) -> None:
     """Three panels: prefill TFLOP/s next to SDPA flash, decode GB/s next to the peak, offline throughput."""
-    import matplotlib
+    from tritium.client.bench.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.8))
     bench = steps.get("kernel_bench")
     figures = bench.figures if bench else {}
@@ -98,9 +100,7 @@ def plot(steps: dict[str, StepResult], path: Path, title: str) -> None:
     throughput = steps.get("throughput")
     _plot_throughput(ax3, throughput.figures.get("results", []) if throughput else [])
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _no_data(ax: Any, what: str) -> None:

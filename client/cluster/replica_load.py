@@ -30,6 +30,7 @@ import re
 import time
 import urllib.request
 from dataclasses import dataclass
+from types import MappingProxyType
 
 logger = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 2.0  # for the whole page: connecting, headers and body
@@ -63,6 +64,7 @@ class EngineLoad:
 
     @property
     def requests(self) -> int:
+        """Running plus waiting."""
         return self.running + self.waiting
 
     def add(self, other: EngineLoad) -> EngineLoad:
@@ -99,7 +101,7 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
-_FIELDS = {
+_FIELDS = MappingProxyType({
     "tritium_num_requests_running": "running",
     "tritium_num_requests_waiting": "waiting",
     "tritium_kv_cache_blocks": "kv_blocks",
@@ -107,7 +109,7 @@ _FIELDS = {
     "tritium_kv_cache_block_size": "block_size",
     "tritium_prefix_cache_hit_tokens_total": "prefix_hit_tokens",
     "tritium_prefix_cache_queried_tokens_total": "prefix_queried_tokens",
-}
+})
 
 
 def engine_load(metrics_text: str, model: str) -> EngineLoad:

@@ -24,11 +24,13 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
 from tritium.client.cluster.replica_load import EngineLoad, scrape_async
+from tritium.client.cluster.upstream import Chunk, UpstreamError
 from tritium.client.triton.remote import grpc_inputs
 
 logger = logging.getLogger(__name__)
@@ -36,24 +38,6 @@ PREFIX_CHARS = 256
 AFFINITY_SLACK = 2048
 HEALTH_INTERVAL_S = 1.0
 EXTERNAL_REQUEST_TOKENS = 256
-
-
-class UpstreamError(Exception):
-    """The replica failed the request. `status`: 400 a request it rejected (the message is the engine's, meant
-    for the client), 500 the request failed in the model, 502 a transport failure, 503 every replica down or
-    overloaded (`overloaded`). The message may name the replica: log it, do not show it to a client."""
-
-    def __init__(self, message: str, status: int = 502, before_first_token: bool = True,
-                 overloaded: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.before_first_token = before_first_token
-        self.overloaded = overloaded
-
-    @property
-    def retryable(self) -> bool:
-        """Safe to send to another replica: nothing streamed yet, and the failure was the replica's."""
-        return self.before_first_token and (self.status == 502 or self.overloaded)
 
 
 def classify_error(message: str) -> tuple[int, bool]:
@@ -69,18 +53,11 @@ def classify_error(message: str) -> tuple[int, bool]:
     return 500, False
 
 
-@dataclass
-class Chunk:
-    text: str
-    final: bool
-    finish_reason: str | None = None
-    num_input_tokens: int | None = None
-    num_output_tokens: int | None = None
-    logprobs: list[dict[str, float]] = field(default_factory=list)
-
-
 @dataclass(eq=False)
 class Replica:
+    """One upstream tritonserver as the router sees it: its gRPC client (None until `Router.start`), its
+    health, and what this router has in flight there."""
+
     url: str
     client: Any
     metrics_url: str | None = None
@@ -100,6 +77,8 @@ class Replica:
 
     @property
     def busy_tokens(self) -> int:
+        """The tokens this router has outstanding here, plus EXTERNAL_REQUEST_TOKENS per request its engine
+        reports beyond this router's own."""
         external = self.load.requests - self.in_flight if self.load is not None else 0
         return self.outstanding_tokens + max(0, external) * EXTERNAL_REQUEST_TOKENS
 
@@ -111,10 +90,14 @@ def default_metrics_url(grpc_url: str) -> str | None:
 
 
 def prefix_score(prefix: str, url: str) -> int:
+    """The rendezvous-hash weight of replica `url` for a prompt prefix: the highest-scoring replica is
+    the prefix's preferred one."""
     return int.from_bytes(hashlib.blake2b(f"{url}\0{prefix}".encode(), digest_size=8).digest(), "big")
 
 
 class Router:
+    """The replicas of one model and the choice among them (see the module's docstring)."""
+
     def __init__(self, urls: list[str], model: str = "tritium", api_key: str | None = None,
                  metrics_urls: list[str | None] | None = None) -> None:
         """`metrics_urls[i]`: replica i's tritonserver metrics (None: no load or engine health from it)."""
@@ -136,6 +119,7 @@ class Router:
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def close(self) -> None:
+        """Stop the health checks and close every replica's connection."""
         if self._health_task:
             self._health_task.cancel()
         for r in self.replicas:
@@ -168,7 +152,8 @@ class Router:
             except Exception:  # never: check_health does not raise; the loop must outlive any surprise
                 logger.exception("the health check failed")
 
-    def pick(self, prompt: str, exclude: set[str] = frozenset()) -> Replica | None:  # type: ignore[assignment]
+    def pick(self, prompt: str, exclude: AbstractSet[str] = frozenset()) -> Replica | None:
+        """The replica for `prompt` among the healthy ones not in `exclude` (URLs); None when there is none."""
         healthy = [r for r in self.replicas if r.healthy and r.url not in exclude]
         if not healthy:
             return None

@@ -1,88 +1,31 @@
-"""Chat-specific parts of the OpenAI endpoint: a request's prompt and output constraint, and the model's text
-made into a message (tool calls parsed) or into stream deltas. The formats and parsers are in tool_calls.py.
-
-tool_choice (the default is "auto" with tools, "none" without):
-- "none": plain chat, the text is the content. As vLLM does, a template that takes `tools` still gets them;
-  the generic format (a template without tools) gets no tool prompt, since the model may not call any.
-- "auto": the model chooses; its text is parsed for calls in the template's format (`tool_format`).
-- "required" / a named function: the engine decodes under a JSON schema of the calls (`required_schema`,
-  `named_schema`), so the arguments always match the function's parameters.
-"""
+"""`/v1/chat/completions`: a chat request run upstream (its prompt and constraint: chat_format.py), and the
+model's text made into an assistant message, tool calls parsed out of it, whole or as stream deltas."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tritium.backend.tokenizer import Tokenizer
-from tritium.client.cluster.router import Chunk
-from tritium.client.openai.protocol import ChatMessage, ChatRequest
-from tritium.client.openai.tool_calls import (
-    HermesParser,
-    Llama3JsonParser,
-    NamedCallParser,
-    RequiredCallsParser,
-    ToolParser,
-    named_schema,
-    parse_text,
-    required_schema,
-    template_messages,
-    tool_format,
-)
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from tritium.client.cluster.upstream import Chunk
+from tritium.client.openai.chat_format import ParserFactory, chat_constraint, parser_factory, render_prompt
+from tritium.client.openai.errors import budget_error
+from tritium.client.openai.protocol import ChatRequest, RequestError, error_response
+from tritium.client.openai.service import ChoiceResult, OpenAIService, TokenEntry, usage
+from tritium.client.openai.streaming import stream_response
+from tritium.client.openai.tool_calls import ToolParser, parse_text
 
-def _tools(body: ChatRequest) -> list[dict[str, Any]]:
-    return [t.model_dump(exclude_none=True) for t in body.tools or []]
+logger = logging.getLogger(__name__)
 
-
-def chat_constraint(body: ChatRequest, mode: str) -> dict[str, Any] | None:
-    """The engine's `structured_output` for a chat request whose tool mode is `mode` (ChatRequest.tool_mode).
-    Raises RequestError as ChatRequest.structured_output does."""
-    tools = _tools(body)
-    if mode == "required":
-        return {"json": required_schema(tools, body.parallel_tool_calls)}
-    if mode == "named":
-        name = body.tool_choice.function.name  # type: ignore[union-attr]
-        return {"json": named_schema(next(t for t in tools if t["function"]["name"] == name))}
-    return body.structured_output()
-
-
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    out = message.model_dump(exclude={"content", "tool_calls", "tool_call_id"}) | {"content": message.text}
-    if message.tool_calls:
-        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    return out
-
-
-def render_prompt(tokenizer: Tokenizer, body: ChatRequest, mode: str, add_generation_prompt: bool = True) -> str:
-    """The prompt: the messages (and tools) through the model's chat template. Raises ValueError when the
-    template refuses them or what they hold cannot be sent as UTF-8 (a lone surrogate in an extra field)."""
-    tools = _tools(body) or None
-    generic = not tokenizer.supports_tools
-    messages = template_messages([_message_dict(m) for m in body.messages], generic,
-                                 tools if generic and mode != "none" else None)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=None if generic else tools)
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("messages: must be valid Unicode text (something in them holds a lone surrogate)") from None
-    return prompt
-
-
-def parser_factory(tokenizer: Tokenizer, body: ChatRequest, mode: str) -> Callable[[], ToolParser] | None:
-    """What reads tool calls out of the model's text in this mode; None: the text is all content."""
-    if mode == "required":
-        return RequiredCallsParser
-    if mode == "named":
-        name = body.tool_choice.function.name  # type: ignore[union-attr]
-        return lambda: NamedCallParser(name)
-    if mode == "auto":
-        kind = tool_format(tokenizer.chat_template, tokenizer.supports_tools)
-        return Llama3JsonParser if kind == "llama3_json" else HermesParser
-    return None
+LogprobsFormatter = Callable[[list[dict[str, float]]], dict[str, Any] | None]
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
@@ -90,8 +33,7 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def chat_message(text: str, reason: str | None, parser: Callable[[], ToolParser] | None
-                 ) -> tuple[dict[str, Any], str | None]:
+def chat_message(text: str, reason: str | None, parser: ParserFactory | None) -> tuple[dict[str, Any], str | None]:
     """(the assistant message, finish_reason) of a whole output."""
     if parser is None:
         return {"role": "assistant", "content": text}, reason
@@ -102,6 +44,22 @@ def chat_message(text: str, reason: str | None, parser: Callable[[], ToolParser]
             finish_reason(reason, True))
 
 
+def chat_logprobs(rows: list[TokenEntry], top: int) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` of generated tokens (`OpenAIService.token_entries`), `top` alternatives each."""
+    return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                          for a, alp in alts[:top]]}
+                        for tok, lp, alts in rows]}
+
+
+def _logprobs_formatter(service: OpenAIService, body: ChatRequest) -> LogprobsFormatter:
+    """What makes a choice's `logprobs` out of the engine's entries: None unless the request asked for them."""
+    if not body.logprobs:
+        return lambda _entries: None
+    top = body.top_logprobs or 0
+    return lambda entries: chat_logprobs(service.token_entries(entries), top)
+
+
 @dataclass
 class ChatStream:
     """Turns each choice's chunks into chat.completion.chunk choices. Without a parser every chunk is a delta
@@ -109,14 +67,16 @@ class ChatStream:
     content null, as the whole message has it), a chunk whose text the parser holds back gives no delta (None)
     and its logprobs wait for the next one."""
 
-    parser: Callable[[], ToolParser] | None
-    logprobs: Callable[[list[dict[str, float]]], dict[str, Any] | None]
+    parser: ParserFactory | None
+    logprobs: LogprobsFormatter
     _parsers: dict[int, ToolParser] = field(default_factory=dict)
     _waiting_logprobs: dict[int, list[dict[str, float]]] = field(default_factory=dict)
     _called: set[int] = field(default_factory=set)
     _said: set[int] = field(default_factory=set)  # choices that got content
 
     def delta(self, index: int, chunk: Chunk, first: bool) -> dict[str, Any] | None:
+        """The choice entry for choice `index`'s next chunk (`first`: its first); None when it has nothing to
+        show yet (a tool call being read)."""
         reason = chunk.finish_reason if chunk.final else None
         if self.parser is None:
             d: dict[str, Any] = {"content": chunk.text}
@@ -143,3 +103,56 @@ class ChatStream:
         if first:
             d = {"role": "assistant"} | d
         return {"index": index, "delta": d, "logprobs": self.logprobs(entries), "finish_reason": reason}
+
+
+def _completion_body(model: str, choices: dict[int, ChoiceResult], n: int, parser: ParserFactory | None,
+                     logprobs: LogprobsFormatter) -> dict[str, Any]:
+    """The chat.completion object of a non-streamed request's choices."""
+    rows = []
+    for index, c in sorted(choices.items()):
+        message, reason = chat_message(c.text, c.finish_reason, parser)
+        rows.append({"index": index, "message": message, "logprobs": logprobs(c.logprobs), "finish_reason": reason})
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": rows, "usage": usage(choices, n)}
+
+
+async def chat_completion(service: OpenAIService, body: ChatRequest, request: Request
+                          ) -> dict[str, Any] | JSONResponse | StreamingResponse:
+    """The answer to a chat completion request: the chat.completion object, its stream, or an error
+    response (400 a field or the messages, 404 the model, 503 overloaded or no replica, 499 client gone)."""
+    if (bad := service.wrong_model(body.model)) is not None:
+        return bad
+    sampling = body.sampling(service.default_max_tokens)
+    if body.max_completion_tokens:
+        sampling["max_tokens"] = body.max_completion_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    if (bad := budget_error(body.n, sampling["max_tokens"], param)) is not None:
+        return bad
+    try:
+        mode = body.tool_mode()
+        if (constraint := chat_constraint(body, mode)) is not None:
+            sampling["structured_output"] = constraint
+    except RequestError as exc:
+        return error_response(400, exc.message, param=exc.param)
+    parser = parser_factory(service.tokenizer, body, mode)
+    try:  # a long conversation takes a while to render: off the event loop
+        prompt = await asyncio.to_thread(render_prompt, service.tokenizer, body, mode)
+    except ValueError as exc:
+        return error_response(400, str(exc), param="messages")
+    except Exception as exc:  # the template choked on what the messages hold (odd extra fields)
+        logger.info("chat template failed on a request: %r", exc)
+        return error_response(400, "invalid request: messages cannot be rendered with the model's chat "
+                              "template", param="messages")
+    want_lp = body.logprobs
+    if want_lp:
+        sampling["logprobs"] = body.top_logprobs or 0
+    logprobs = _logprobs_formatter(service, body)
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_response(service, request, "chat", [prompt], sampling, body.n, want_lp, include,
+                                     ChatStream(parser, logprobs).delta)
+    choices = await service.collect_or_error(request, [prompt], sampling, body.n, want_lp)
+    if isinstance(choices, JSONResponse):
+        return choices
+    build = functools.partial(_completion_body, service.model, choices, body.n, parser, logprobs)
+    return await asyncio.to_thread(build) if want_lp else build()

@@ -26,10 +26,12 @@ KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # health, load, model facts 
 
 
 def new_request_id() -> str:
+    """A fresh id for a request's log lines, quoted to the client in errors."""
     return uuid.uuid4().hex[:16]
 
 
 def internal_error(request_id: str) -> JSONResponse:
+    """The 500 of a request that failed here, naming its request id (the log has the details)."""
     return error_response(500, f"internal error (request id {request_id})", kind="server_error")
 
 
@@ -42,12 +44,14 @@ class Admission:
     in_flight: int = 0
 
     def try_acquire(self, seats: int) -> bool:
+        """Take `seats` seats; False, taking none, when fewer are free."""
         if self.in_flight + seats > self.limit:
             return False
         self.in_flight += seats
         return True
 
     def release(self, seats: int = 1) -> None:
+        """Give back `seats` seats."""
         self.in_flight -= seats
 
 

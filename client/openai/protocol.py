@@ -14,12 +14,13 @@ enforces the schema, with llguidance.
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from tritium.backend.sampling_params import MAX_SEED as MAX_SEED  # re-exported for openai_server
+from tritium.backend.sampling_params import MAX_SEED as MAX_SEED  # re-exported: the bound of a request's seed
 from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingField
 
 MAX_N = 16
@@ -88,7 +89,8 @@ class StructuredOutputs(_Strict):
 
 
 CONSTRAINT_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED_FIELDS = MappingProxyType({"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                                  "guided_grammar": "grammar"})
 
 
 def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
@@ -374,4 +376,5 @@ class AsciiJSONResponse(JSONResponse):
     """JSON with non-ASCII escaped, so that an error quoting bad input (a lone surrogate) still renders."""
 
     def render(self, content: Any) -> bytes:
+        """The body: compact JSON, ASCII only."""
         return json.dumps(content, separators=(",", ":")).encode("ascii")

@@ -16,8 +16,8 @@ few endpoints beside the OpenAI ones; these are tritium's answers (`add_replica_
 - `POST /v1/completions/render` (a list, one per prompt), `POST /v1/chat/completions/render` (one): a
   request as the engine will run it, without generating, in vLLM's GenerateRequest shape (`token_ids`,
   `sampling_params`, `model`, `stream`, `request_id`); vllm-router's cache_aware policy asks every worker.
-- `GET /metrics`: the `vllm:*` gauges (client/replica_load.py says where each value comes from), the
-  endpoint's own `tritium_openai_*` gauges and each upstream tritonserver's `tritium_*` metrics.
+- `GET /metrics`: the `vllm:*` gauges (client/cluster/replica_load.py says where each value comes from),
+  the endpoint's own `tritium_openai_*` gauges and each upstream tritonserver's `tritium_*` metrics.
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from tritium.backend.tokenizer import Tokenizer
 from tritium.client.cluster.replica_load import EngineLoad, engine_load, fetch_metrics_async, vllm_metrics
 from tritium.client.cluster.router import Router
-from tritium.client.openai.chat import chat_constraint, render_prompt
-from tritium.client.openai.guard import Admission
+from tritium.client.openai.chat_format import chat_constraint, render_prompt
 from tritium.client.openai.protocol import (
     ChatMessage,
     ChatRequest,
@@ -46,6 +44,7 @@ from tritium.client.openai.protocol import (
     error_response,
     utf8_text,
 )
+from tritium.client.openai.service import OpenAIService
 
 METRICS_MAX_AGE_S = 0.1  # endpoint pickers scrape every 50 ms; the engine pushes every 500 ms
 
@@ -156,24 +155,18 @@ def rendered(prompt_ids: list[int], model: str, sampling: dict[str, Any], stream
             "cache_salt": None, "priority": 0}
 
 
-def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model: str, admission: Admission,
-                       default_max_tokens: int, model_path: str | None = None,
-                       max_model_len: int | None = None) -> None:
+def add_replica_routes(app: FastAPI, service: OpenAIService) -> None:
     """Add the protocol's routes to the OpenAI app (which checks keys and body sizes before them)."""
+    router, tokenizer, model = service.router, service.tokenizer, service.model
     upstream = UpstreamMetrics(router)
 
-    def wrong_model(name: str | None) -> JSONResponse | None:
-        if name is not None and name != model:
-            return error_response(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-        return None
-
     def tokenized(ids: list[int], strs: bool) -> dict[str, Any]:
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids,
                 "token_strs": [tokenizer.id_to_token(i) for i in ids] if strs else None}
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        healthy = sum(r.healthy for r in router.replicas)
+        healthy = service.healthy_replicas
         return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy,
                              "replicas": len(router.replicas)}, status_code=200 if healthy else 503)
 
@@ -182,8 +175,9 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
-        return {"model_path": model_path or model, "tokenizer_path": model_path or model, "is_generation": True,
-                "served_model_name": model, "max_model_len": max_model_len}
+        path = service.model_path or model
+        return {"model_path": path, "tokenizer_path": path, "is_generation": True,
+                "served_model_name": model, "max_model_len": service.max_model_len}
 
     @app.get("/get_load")
     async def get_load() -> dict[str, Any]:
@@ -192,12 +186,11 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
                                  "num_requests_waiting": load.waiting}
         if load.kv_cache_usage is not None:  # unknown without the engines' metrics: left out, not 0
             reply["kv_cache_usage_perc"] = round(load.kv_cache_usage, 6)
-        return reply | {"in_flight": admission.in_flight,
-                        "healthy_replicas": sum(r.healthy for r in router.replicas)}
+        return reply | {"in_flight": service.admission.in_flight, "healthy_replicas": service.healthy_replicas}
 
     @app.post("/tokenize", response_model=None)
-    async def tokenize(body: TokenizeBody) -> Any:
-        if (bad := wrong_model(body.model)) is not None:
+    async def tokenize(body: TokenizeBody) -> dict[str, Any] | JSONResponse:
+        if (bad := service.wrong_model(body.model)) is not None:
             return bad
         if isinstance(body, TokenizeChat):
             chat = ChatRequest.model_construct(model=model, messages=body.messages, tools=body.tools)
@@ -215,8 +208,8 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
         return tokenized(ids, body.return_token_strs)
 
     @app.post("/detokenize", response_model=None)
-    async def detokenize(body: Detokenize) -> Any:
-        if (bad := wrong_model(body.model)) is not None:
+    async def detokenize(body: Detokenize) -> dict[str, Any] | JSONResponse:
+        if (bad := service.wrong_model(body.model)) is not None:
             return bad
         if (out := next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)) is not None:
             return error_response(400, f"tokens: every id must be in [0, {tokenizer.vocab_size}), got {out}",
@@ -224,26 +217,26 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions/render", response_model=None)
-    async def render_completion(body: CompletionRequest) -> Any:
-        if (bad := wrong_model(body.model)) is not None:
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]] | JSONResponse:
+        if (bad := service.wrong_model(body.model)) is not None:
             return bad
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         if not prompts or any(not p for p in prompts):
             return error_response(400, "prompt must be a non-empty string or list of strings", param="prompt")
         try:
-            sampling = body.sampling(default_max_tokens) | _constraint(body.structured_output())
+            sampling = body.sampling(service.default_max_tokens) | _constraint(body.structured_output())
         except RequestError as exc:
             return error_response(400, exc.message, param=exc.param)
         ids = await asyncio.to_thread(lambda: [tokenizer.encode(p) for p in prompts])
         return [rendered(i, model, sampling, body.stream) for i in ids]
 
     @app.post("/v1/chat/completions/render", response_model=None)
-    async def render_chat(body: ChatRequest) -> Any:
-        if (bad := wrong_model(body.model)) is not None:
+    async def render_chat(body: ChatRequest) -> dict[str, Any] | JSONResponse:
+        if (bad := service.wrong_model(body.model)) is not None:
             return bad
         try:
             mode = body.tool_mode()
-            sampling = body.sampling(default_max_tokens) | _constraint(chat_constraint(body, mode))
+            sampling = body.sampling(service.default_max_tokens) | _constraint(chat_constraint(body, mode))
             prompt = await asyncio.to_thread(render_prompt, tokenizer, body, mode)
         except RequestError as exc:
             return error_response(400, exc.message, param=exc.param)
@@ -261,12 +254,10 @@ def add_replica_routes(app: FastAPI, router: Router, tokenizer: Tokenizer, model
         own = [
             "# HELP tritium_openai_requests_in_flight Upstream requests (choices) this endpoint has in flight.",
             "# TYPE tritium_openai_requests_in_flight gauge",
-            f"tritium_openai_requests_in_flight {admission.in_flight}",
+            f"tritium_openai_requests_in_flight {service.admission.in_flight}",
             "# HELP tritium_openai_healthy_replicas Replicas whose model is ready and engine serving.",
             "# TYPE tritium_openai_healthy_replicas gauge",
-            f"tritium_openai_healthy_replicas {sum(r.healthy for r in router.replicas)}",
+            f"tritium_openai_healthy_replicas {service.healthy_replicas}",
         ]
-        body = vllm_metrics(load, model) + "\n".join(own) + "\n" + \
-            upstream_tritium_metrics(texts)
+        body = vllm_metrics(load, model) + "\n".join(own) + "\n" + upstream_tritium_metrics(texts)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-

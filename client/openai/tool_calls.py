@@ -1,6 +1,6 @@
 """Tool calling for the chat endpoint: prompts, forced-call schemas and parsers of the model's tool calls.
 
-Pure functions and small parsers over text; no server, no pydantic. The endpoint (client/openai_chat.py)
+Pure functions and small parsers over text; no server, no pydantic. The endpoint (chat_format.py)
 picks a format from the model's chat template (`tool_format`):
 
 - "hermes": the template takes `tools` and shows `<tool_call>` (Qwen2.5, Hermes and many others). The model
@@ -27,11 +27,11 @@ from typing import Any, Protocol
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-NO_ARGUMENTS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 _ID_CHARS = string.ascii_letters + string.digits
 
 
 def new_call_id() -> str:
+    """A fresh tool call id in OpenAI's form: `call_` and 24 random letters and digits."""
     return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
 
 
@@ -42,11 +42,14 @@ def dump_arguments(arguments: Any) -> str:
 
 @dataclass
 class ToolCall:
+    """A whole tool call: the function's name and its arguments as JSON text."""
+
     name: str
     arguments: str  # JSON text
     id: str = field(default_factory=new_call_id)
 
     def as_openai(self) -> dict[str, Any]:
+        """The call as an entry of an OpenAI message's `tool_calls`."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -60,6 +63,7 @@ class ToolCallDelta:
     arguments: str = ""
 
     def as_openai(self) -> dict[str, Any]:
+        """The piece as an entry of an OpenAI stream delta's `tool_calls`."""
         out: dict[str, Any] = {"index": self.index}
         if self.id is not None:
             out |= {"id": self.id, "type": "function"}
@@ -83,9 +87,15 @@ class Parsed:
 
 
 class ToolParser(Protocol):
-    def feed(self, text: str) -> Parsed: ...
+    """Reads tool calls out of one choice's text as it streams."""
 
-    def finish(self) -> Parsed: ...
+    def feed(self, text: str) -> Parsed:
+        """What the next piece of text adds; text that may begin a call is held back until it is known."""
+        ...
+
+    def finish(self) -> Parsed:
+        """What is left once the text has ended: held text and an unclosed call, if it parses."""
+        ...
 
 
 def parse_text(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -192,7 +202,8 @@ def template_messages(messages: list[dict[str, Any]], generic: bool,
 
 
 def parameters_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or NO_ARGUMENTS_SCHEMA
+    """The JSON schema of a tool's arguments: its `parameters`, or an empty object without them."""
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def named_schema(tool: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,8 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 @dataclass
 class ServerOptions:
+    """How to run tritonserver: repository, addresses, keys and which models to load."""
+
     model_repository: Path = PACKAGE_REPOSITORY
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -104,6 +106,8 @@ def dependent_ensembles(repository: Path, model: str) -> list[str]:
 
 @dataclass
 class TritonInstall:
+    """Where a tritonserver install lives: the binary, backends, cache folder and extra library path."""
+
     binary: Path
     backend_dir: Path
     cache_dir: Path | None
@@ -122,6 +126,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -212,17 +217,21 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
+        """http://host:http_port."""
         return f"http://{self.options.host}:{self.options.http_port}"
 
     @property
     def grpc_url(self) -> str:
+        """host:grpc_port."""
         return f"{self.options.host}:{self.options.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
+        """http://host:metrics_port/metrics."""
         return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
 
     def command(self, install: TritonInstall) -> list[str]:
+        """The tritonserver command line for `install` (explicit model control, keys on the restricted APIs)."""
         o = self.options
         cmd = [
             str(install.binary), f"--model-repository={o.model_repository}",
@@ -280,6 +289,7 @@ class TritonServer:
         raise RuntimeError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def ready(self) -> bool:
+        """Whether /v2/health/ready answers 200 now."""
         try:
             with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as resp:
                 return resp.status == 200

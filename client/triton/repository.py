@@ -26,13 +26,16 @@ def write_model(repository: Path, settings: Mapping[str, Any] | None = None, *, 
     """Copy the packaged model `source` into `repository/name` and return that folder.
 
     `settings` update version 1's `model.json` (None keeps it as packaged). `versions` ({number: settings})
-    writes those versions instead, each a copy of version 1 with its settings applied over the packaged ones.
-    A model named other than `source` keeps the packaged config.pbtxt, whose `name` Triton ignores.
+    writes those versions instead, each a copy of version 1 with its settings applied over the packaged ones,
+    and a version policy that serves all of them. config.pbtxt names the model `name`.
     """
     dest = repository / name
     src = PACKAGE_REPOSITORY / source
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(src / "config.pbtxt", dest / "config.pbtxt")
+    config = (src / "config.pbtxt").read_text(encoding="utf-8").replace(f'name: "{source}"', f'name: "{name}"', 1)
+    if versions is not None and len(versions) > 1:
+        config = config.replace("latest: { num_versions: 1 }", "all: {}")
+    (dest / "config.pbtxt").write_text(config, encoding="utf-8")
     base = packaged_settings(source)
     for version, overrides in (versions or {1: settings or {}}).items():
         folder = dest / str(version)

@@ -8,7 +8,7 @@ from pathlib import Path
 from tritium.backend import LLM
 from tritium.backend.models.random_checkpoint import write_random_llama
 from tritium.client.bench.overhead import in_process_summary, run_in_process
-from tritium.client.bench.serve import synthetic_prompts
+from tritium.client.bench.workload import synthetic_prompts
 
 
 def test_in_process_closed_loop(tmp_path: Path, default_model_path: Path, make_llm: Callable[..., LLM]) -> None:
@@ -23,7 +23,7 @@ def test_in_process_closed_loop(tmp_path: Path, default_model_path: Path, make_l
         assert 0 < r.ttft_s <= r.latency_s
         assert r.itl_s is not None and r.itl_s > 0
     summary = in_process_summary(run)
-    assert summary["output_tokens"] == 64 and summary["errors"] == 0
-    assert summary["output_token_throughput_per_s"] > 0
+    assert summary["total_output_tokens"]["avg"] == 64 and summary["error_request_count"]["avg"] == 0
+    assert summary["output_token_throughput"]["avg"] > 0
     assert run.steps >= 8 and summary["host_ms_per_step"] > 0
     assert 1 <= summary["mean_running_per_step"] <= 4  # never more than the concurrency in flight

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
-from tritium.backend.serving.engine_loop import EngineLoop, Job, merge_outputs
+from tritium.backend.outputs import RequestOutput
+from tritium.backend.serving.engine_loop import EngineLoop
+from tritium.backend.serving.jobs import Job, merge_outputs
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.serving.stream_pacer import StreamPacer
 

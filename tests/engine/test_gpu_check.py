@@ -87,11 +87,11 @@ def test_recording_syncs_names_the_innermost_tritium_frame(monkeypatch: pytest.M
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     namespace: dict[str, object] = {}
-    # a function that lives (as far as tracebacks know) in backend/sampler.py and synchronizes
+    # a function that lives (as far as tracebacks know) in backend/sample/sampler.py and synchronizes
     exec(compile("def fetch():\n    import warnings\n    warnings.warn('called a synchronizing CUDA operation')\n",
                  tritium.backend.sample.sampler.__file__, "exec"), namespace)
     with recording_syncs() as found:
         namespace["fetch"]()  # type: ignore[operator]
         namespace["fetch"]()  # type: ignore[operator]
-    assert found == ["backend/sampler.py:3 in fetch"] * 2
+    assert found == ["backend/sample/sampler.py:3 in fetch"] * 2
     assert modes == ["warn", "default"]

@@ -14,11 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.config import RequestOutput
 from tritium.backend.engine import LLMEngine
-from tritium.backend.sample import sampler as sampler_module
+from tritium.backend.outputs import RequestOutput
+from tritium.backend.sample import logits_ops
 from tritium.backend.sampling_params import SAMPLING_FIELDS
-from tritium.backend.serving.engine_loop import EngineLoop, ErrorKind, Job
+from tritium.backend.serving.engine_loop import EngineLoop
+from tritium.backend.serving.jobs import ErrorKind, Job
 from tritium.backend.testing.faults import FaultInjector
 
 from support.serving import wait_for
@@ -117,14 +118,14 @@ def test_a_failing_sampler_row_fails_only_its_request_and_seeded_rows_keep_their
         engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
     expected = run(engine, {"seeded": ("A seeded one", seeded)})["seeded"].token_ids
-    real = sampler_module.apply_penalties
+    real = logits_ops.apply_penalties
 
     def apply_penalties(logits: Any, seqs: list[Any]) -> None:
         if any(s.request_id == "odd" for s in seqs):
             raise RuntimeError("a bug in penalties")
         real(logits, seqs)
 
-    monkeypatch.setattr(sampler_module, "apply_penalties", apply_penalties)
+    monkeypatch.setattr(logits_ops, "apply_penalties", apply_penalties)
     finals = run(engine, {"seeded": ("A seeded one", seeded),
                           "odd": ("Tell me more", SamplingParams(max_tokens=4, repetition_penalty=1.3))})
     assert finals["seeded"].token_ids == expected and finals["seeded"].finish_reason == "length"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.models.config import ModelFolderError
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY
+from tritium.client.triton.repository import write_model
 
 from support.checkpoints import save_tiny
 from support.hf_reference import hf_greedy
@@ -134,10 +134,7 @@ def test_server_refuses_a_bad_model_with_the_reason_and_serves_the_others(tmp_pa
                 "tritium_gelu": {"model": str(bad_checkpoint), "kv_cache_bytes": 16 << 20},
                 "tritium_small_kv": {"model": str(tiny_llama_path), "kv_cache_bytes": 10 * 2 * 3 * 2 * 16 * 4 * 16}}
     for name, settings in versions.items():
-        shutil.copytree(PACKAGE_REPOSITORY / "tritium", repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-        config = repo / name / "config.pbtxt"
-        config.write_text(config.read_text().replace('name: "tritium"', f'name: "{name}"'))
-        (repo / name / "1" / "model.json").write_text(json.dumps(settings))
+        write_model(repo, settings, name=name)
     served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
     try:
         client = httpclient.InferenceServerClient(served.http.removeprefix("http://"))

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.config import RequestOutput
 from tritium.backend.core.stop_checker import StopStrings
+from tritium.backend.outputs import RequestOutput
 
 STOP_CANDIDATES = ["e", "th", " t", "a", "the", "\n", "}", "yes", "yesterday", "r!never", "an", "in", "s ", ".", "o"]
 CONSTRAINTS = [None, {"choice": ["yes"]}, {"choice": ["yes", "no way", "maybe"]}, {"regex": "[a-z ]{1,12}"},

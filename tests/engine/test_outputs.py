@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.config import RequestOutput
 from tritium.backend.models.random_checkpoint import write_random_llama
+from tritium.backend.outputs import RequestOutput
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tritium.backend.core.sequence import Sequence
-from tritium.backend.sample.sampler import Sampler, apply_penalties, row_max
+from tritium.backend.sample.logits_ops import apply_penalties
+from tritium.backend.sample.sampler import Sampler, row_max
 from tritium.backend.sampling_params import SamplingParams
 
 from support.builders import seq

@@ -163,7 +163,7 @@ def test_requests_wait_for_no_compile_but_their_own(default_model_path: Path) ->
     for i, spec in enumerate(slow):
         compiler.submit(spec, lambda m, e, i=i: answered.setdefault(f"slow{i}", time.monotonic() - started))
     compiler.submit(cached, lambda m, e: answered.setdefault("cached", time.monotonic() - started))
-    assert answered["cached"] < 0.05
+    assert answered["cached"] < 0.5  # answered in submit, not after the ~2 s compiles (slack for a busy host)
     assert wait_for(lambda: len(answered) == 4, 60, 0.01)
     assert min(answered[f"slow{i}"] for i in range(3)) > 10 * answered["cached"]
 

@@ -22,8 +22,9 @@ def test_smoke_run_measures_three_setups(tmp_path: Path, tiny_llama_path: Path) 
     setups = {s["key"]: s for s in report["setups"]}
     assert sorted(setups) == sorted(SETUPS) and report["skipped"] == []
     for s in setups.values():
-        assert s["summary"]["errors"] == 0 and s["summary"]["requests"] == 6, s["error_samples"]
-        assert s["summary"]["output_token_throughput_per_s"] > 0 and s["summary"]["request_throughput_per_s"] > 0
+        summary = s["summary"]
+        assert summary["error_request_count"]["avg"] == 0 and summary["request_count"]["avg"] == 6, s["error_samples"]
+        assert summary["output_token_throughput"]["avg"] > 0 and summary["request_throughput"]["avg"] > 0
         assert s["hit_rate"] is not None and 0 <= s["hit_rate"] <= 1
         assert sum(v["requests"] for v in s["per_replica"].values()) == 6
     assert setups["a"]["per_replica"]["replica2"]["requests"] == 0  # setup a uses replica 1 only

@@ -3,10 +3,8 @@ request that can never fit, and tritonserver killed with SIGKILL."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -17,7 +15,8 @@ import numpy as np
 import pytest
 
 from tritium.backend.testing.faults import FAULT_MARKER_ENV
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY, pid_alive
+from tritium.client.triton.launcher import pid_alive
+from tritium.client.triton.repository import write_model
 
 from support.serving import (
     Served,
@@ -41,18 +40,11 @@ OVERLOAD_PENDING = 2
 def tiny_repository(dest: Path, model: Path) -> Path:
     """The `tritium` model with three versions of the tiny Llama: 1 with room, 2 with a 12-block KV cache,
     3 with one seat and room for 2 waiting requests."""
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", dest / "tritium")
-    config = dest / "tritium" / "config.pbtxt"
-    config.write_text(config.read_text().replace("latest: { num_versions: 1 }", "all: {}"))
-    shutil.copytree(dest / "tritium" / "1", dest / "tritium" / "2")
-    shutil.copytree(dest / "tritium" / "1", dest / "tritium" / "3")
     common = {"model": str(model), "request_timeout_s": 120}
-    (dest / "tritium" / "1" / "model.json").write_text(json.dumps(common | {"kv_cache_bytes": 16 << 20}))
-    (dest / "tritium" / "2" / "model.json").write_text(json.dumps(common | {"kv_cache_bytes": SMALL_KV_BLOCKS *
-                                                                            BLOCK_BYTES,
-                                                                            "max_model_len": SMALL_KV_BLOCKS * 16}))
-    (dest / "tritium" / "3" / "model.json").write_text(json.dumps(common | {
-        "kv_cache_bytes": 16 << 20, "max_num_seqs": 1, "max_pending_requests": OVERLOAD_PENDING}))
+    write_model(dest, versions={
+        1: common | {"kv_cache_bytes": 16 << 20},
+        2: common | {"kv_cache_bytes": SMALL_KV_BLOCKS * BLOCK_BYTES, "max_model_len": SMALL_KV_BLOCKS * 16},
+        3: common | {"kv_cache_bytes": 16 << 20, "max_num_seqs": 1, "max_pending_requests": OVERLOAD_PENDING}})
     return dest
 
 

@@ -76,7 +76,7 @@ def test_unparseable_requests_get_invalid_request_with_an_id_and_nothing_interna
 def test_a_big_prompt_being_tokenized_does_not_stall_a_running_stream(server: Served) -> None:
     """Each 500 KiB prompt takes ~0.5-1 s to tokenize before it is refused as too long. Tokenized on the
     engine thread, it would hold every stream for that long; on the tokenizer thread the stream goes on."""
-    from tritium.client.bench.interference import big_prompt
+    from tritium.client.bench.workload import big_prompt
 
     prompts = [big_prompt(500, salt) for salt in range(3)]
     with ThreadPoolExecutor(1) as pool:

@@ -3,7 +3,6 @@ failed, so that its ready endpoint says not ready; how it reads the metric and s
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from tritium.client.triton.launcher import (
     dependent_ensembles,
     parse_engine_health,
 )
+from tritium.client.triton.repository import one_model_repository
 
 from support.serving import (
     fake_repository,
@@ -143,10 +143,7 @@ def test_serve_unloads_a_model_whose_engine_failed(tmp_path: Path, admin_key: st
 
 
 def loop_fault_repository(dest: Path, model: Path) -> Path:
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", dest / "tritium")
-    (dest / "tritium" / "1" / "model.json").write_text(json.dumps({"model": str(model), "request_timeout_s": 120,
-                                                                   "kv_cache_bytes": 16 << 20}))
-    return dest
+    return one_model_repository(dest, {"model": str(model), "request_timeout_s": 120, "kv_cache_bytes": 16 << 20})
 
 
 def timed_generate(base: str, prompt: str, sampling: dict[str, object], timeout: float) -> tuple[int, str, float]:

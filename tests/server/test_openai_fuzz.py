@@ -8,9 +8,7 @@ generate quickly on a CPU.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY
+from tritium.client.triton.repository import write_model
 
 from support.serving import API_KEY as KEY
 from support.serving import Served, start_openai, start_serve
@@ -65,10 +63,8 @@ def map_body(context, body):
 @pytest.fixture(scope="module")
 def tiny_triton(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     repo = tmp_path_factory.mktemp("model-repository")
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", repo / "tritium", ignore=shutil.ignore_patterns("__pycache__"))
-    settings = {"model": str(tiny_llama_path), "kv_cache_bytes": 16 << 20, "max_model_len": 256,
-                "request_timeout_s": 60}
-    (repo / "tritium" / "1" / "model.json").write_text(json.dumps(settings))
+    write_model(repo, {"model": str(tiny_llama_path), "kv_cache_bytes": 16 << 20, "max_model_len": 256,
+                       "request_timeout_s": 60})
     served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
     yield served
     served.stop()

@@ -4,8 +4,6 @@ non-streamed or streamed before its first chunk, its KV blocks freed within seco
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 import requests
 
 from tritium.client.cluster.router import prefix_score
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY
+from tritium.client.triton.repository import write_model
 
 from support.serving import (
     Served,
@@ -35,9 +33,7 @@ FREED_WITHIN_S = 5.0  # cancelled within ~1 s, and the gauges are pushed every 0
 def start_narrow(repo: Path) -> Served:
     """The default model, one sequence at a time: a second request waits in the engine's queue, and a third
     one is refused as overloaded (max_pending_requests 1)."""
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", repo / "tritium", ignore=shutil.ignore_patterns("__pycache__"))
-    settings = {"max_num_seqs": 1, "max_pending_requests": 1, "request_timeout_s": 600}
-    (repo / "tritium" / "1" / "model.json").write_text(json.dumps(settings))
+    write_model(repo, {"max_num_seqs": 1, "max_pending_requests": 1, "request_timeout_s": 600})
     return start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,7 @@ import openai
 import pytest
 
 from tritium.client.bench.schemas import SCHEMAS, UNSUPPORTED
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY
+from tritium.client.triton.repository import write_model
 
 from support.serving import Served, start_openai, start_serve
 from support.tools import TIME, WEATHER, assembled, write_hermes_model
@@ -160,9 +159,8 @@ HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[
 def hermes_client(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     folder = write_hermes_model(tiny_llama_path, tmp_path_factory.mktemp("tiny-hermes"))
     repo = tmp_path_factory.mktemp("hermes-repository")
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", repo / "tritium", ignore=shutil.ignore_patterns("__pycache__"))
-    settings = {"model": str(folder), "kv_cache_bytes": 16 << 20, "max_model_len": 1024, "request_timeout_s": 120}
-    (repo / "tritium" / "1" / "model.json").write_text(json.dumps(settings))
+    write_model(repo, {"model": str(folder), "kv_cache_bytes": 16 << 20, "max_model_len": 1024,
+                       "request_timeout_s": 120})
     served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
     proc, base = start_openai([served.grpc], tokenizer=str(folder))
     try:

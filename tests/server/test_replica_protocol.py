@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import requests
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client.cluster.replica_load import EngineLoad, engine_load, parse_samples
 from tritium.client.cluster.router import prefix_score
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY
+from tritium.client.triton.repository import write_model
 
 from support.serving import Served, metric_value, raw_http_request, start_openai_with, start_serve, wait_for
 
@@ -29,9 +28,7 @@ SEATS = 2  # max_num_seqs of the served engine: a third request waits
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     repo = tmp_path_factory.mktemp("model-repository")
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", repo / "tritium", ignore=shutil.ignore_patterns("__pycache__"))
-    settings = {"max_num_seqs": SEATS, "max_pending_requests": 16, "request_timeout_s": 600}
-    (repo / "tritium" / "1" / "model.json").write_text(json.dumps(settings))
+    write_model(repo, {"max_num_seqs": SEATS, "max_pending_requests": 16, "request_timeout_s": 600})
     served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
     yield served
     served.stop()

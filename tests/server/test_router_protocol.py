@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +34,8 @@ import openai
 import pytest
 import requests
 
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY, clean_stale
+from tritium.client.triton.launcher import clean_stale
+from tritium.client.triton.repository import one_model_repository
 
 from support.serving import Served, free_ports, metric_value, start_openai_with, start_serve, wait_for, wait_until_idle
 
@@ -117,10 +117,7 @@ def terminate(process: subprocess.Popen[Any], timeout: float) -> None:
 
 
 def tiny_repository(dest: Path, model: Path) -> Path:
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", dest / "tritium", ignore=shutil.ignore_patterns("__pycache__"))
-    settings = {"model": str(model), "kv_cache_bytes": 16 << 20, "request_timeout_s": 120}
-    (dest / "tritium" / "1" / "model.json").write_text(json.dumps(settings))
-    return dest
+    return one_model_repository(dest, {"model": str(model), "kv_cache_bytes": 16 << 20, "request_timeout_s": 120})
 
 
 def start_replica(repo: Path, tokenizer: Path) -> Replica:

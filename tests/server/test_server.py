@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tritium.backend import LLM, SamplingParams
-from tritium.client.triton.launcher import PACKAGE_REPOSITORY
+from tritium.client.triton.repository import write_model
 
 from support.serving import (
     Served,
@@ -76,7 +75,7 @@ def test_non_streaming_returns_one_response_with_the_whole_text(server: Served, 
 def test_the_example_serve_prints_gets_an_answer(server: Served) -> None:
     """The first request a newcomer copies: a question through the chat template, answered in a sentence (a
     bare question makes the instruct model end at once, echoing the prompt)."""
-    from tritium.client.cli.main import EXAMPLE_REQUEST
+    from tritium.client.cli.serve import EXAMPLE_REQUEST
 
     resp = http_generate(server.http, EXAMPLE_REQUEST)
     assert resp.status_code == 200, resp.text
@@ -161,12 +160,7 @@ def test_two_versions_and_explicit_load_unload(tmp_path: Path, tiny_llama_path: 
     import tritonclient.http as httpclient
 
     repo = tmp_path / "repo"
-    shutil.copytree(PACKAGE_REPOSITORY / "tritium", repo / "tritium")
-    config = (repo / "tritium" / "config.pbtxt").read_text()
-    (repo / "tritium" / "config.pbtxt").write_text(config.replace("latest: { num_versions: 1 }", "all: {}"))
-    shutil.copytree(repo / "tritium" / "1", repo / "tritium" / "2")
-    (repo / "tritium" / "2" / "model.json").write_text(json.dumps({"model": str(tiny_llama_path),
-                                                                   "kv_cache_bytes": 16 << 20}))
+    write_model(repo, versions={1: {}, 2: {"model": str(tiny_llama_path), "kv_cache_bytes": 16 << 20}})
     served = start_serve(f"--model-repository={repo}", "--model-control=explicit", "--load-model=tritium")
     try:
         body = {"text_input": PROMPT, "max_tokens": 6, "temperature": 0, "exclude_input_in_output": True}
@@ -220,9 +214,9 @@ def test_bench_serve_reports_consistent_metrics(server: Served, tmp_path: Path) 
                                  out_dir=str(tmp_path))
     assert (tmp_path / "serve.png").stat().st_size > 1000 and (tmp_path / "serve.json").is_file()
     for result in report["results"]:
-        assert result["errors"] == 0 and result["output_tokens"] == 4 * 6
-        assert result["time_to_first_token_s"]["max"] <= result["request_latency_s"]["max"]
-        assert result["time_to_first_token_s"]["p50"] <= result["request_latency_s"]["p50"]
-        assert result["output_token_throughput_per_s"] > 0
+        assert result["error_request_count"]["avg"] == 0 and result["total_output_tokens"]["avg"] == 4 * 6
+        assert result["time_to_first_token"]["max"] <= result["request_latency"]["max"]
+        assert result["time_to_first_token"]["p50"] <= result["request_latency"]["p50"]
+        assert result["output_token_throughput"]["avg"] > 0
     for records in report["requests"].values():
         assert all(r["ttft_s"] <= r["latency_s"] and r["output_tokens"] == 6 for r in records)

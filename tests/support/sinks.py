@@ -6,8 +6,8 @@ import math
 import threading
 import time
 
-from tritium.backend.config import RequestOutput
-from tritium.backend.serving.engine_loop import ErrorKind
+from tritium.backend.outputs import RequestOutput
+from tritium.backend.serving.jobs import ErrorKind
 
 
 class RecordingSink:

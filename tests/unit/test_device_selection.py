@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritium.backend.engine import use_device
 from tritium.backend.serving.device_selection import select_device
+from tritium.backend.worker.device import use_device
 
 
 def gpu(device_id: str) -> dict[str, str]:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritium.backend.config import RequestOutput
 from tritium.backend.detokenizer import IncrementalDetokenizer
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingField, SamplingParams
 from tritium.backend.serving import ids_model, text_model
 from tritium.backend.serving.ids_model import SCALAR_INPUTS, IdsSink, parse_ids_request

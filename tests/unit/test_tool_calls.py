@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client.bench.schemas import SCHEMAS, UNSUPPORTED
-from tritium.client.cluster.router import Chunk
+from tritium.client.cluster.upstream import Chunk
 from tritium.client.openai.app import create_app
 from tritium.client.openai.protocol import ChatRequest, CompletionRequest, RequestError
 from tritium.client.openai.tool_calls import (

@@ -1,0 +1,126 @@
+"""The per-row sampling settings of a step's random (non-greedy) rows, as device tensors.
+
+ROW_SETTINGS declares each setting once: how it is read from a request's SamplingParams, whether it is a
+float or an int, and when a row uses it (a setting no row of a step uses skips its logits op). Everything
+else follows from that table: the host lists, their places in the staging buffer (`stage_row_settings`),
+the device views (`RowSettings`) and the staging capacity they need (`row_settings_slots`). A new setting is a
+new entry here and its op in logits_ops.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tritium.backend.core.sequence import Sequence
+from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.worker.staging import StagingBuffer
+
+INT32_MAX = 2**31 - 1
+Value = int | float
+
+
+@dataclass(frozen=True)
+class RowSetting:
+    """One per-row setting: `read` takes it from a request's params; `used` says whether a row's value does
+    anything (False: the op may be skipped for that row)."""
+
+    name: str
+    is_float: bool
+    read: Callable[[SamplingParams], Value]
+    used: Callable[[Value], bool]
+
+    def stage(self, staging: StagingBuffer, values: list[Value]) -> slice:
+        """Put this setting's `values` into `staging`; returns where they went."""
+        return staging.put_floats(values) if self.is_float else staging.put([int(v) for v in values])
+
+
+ROW_SETTINGS: tuple[RowSetting, ...] = (
+    RowSetting("temperature", True, lambda p: p.temperature, lambda v: True),
+    # Any top_k >= the vocabulary keeps every token; clamped so that it fits int32.
+    RowSetting("top_k", False, lambda p: max(-1, min(p.top_k, INT32_MAX)), lambda v: v > 0),
+    RowSetting("top_p", True, lambda p: p.top_p, lambda v: v < 1.0),
+    RowSetting("min_p", True, lambda p: p.min_p, lambda v: v > 0),
+)
+SETTING_NAMES = frozenset(s.name for s in ROW_SETTINGS)
+
+
+def row_settings_slots(max_rows: int) -> int:
+    """The staging-buffer slots the row settings of `max_rows` rows take at most (their row index included)."""
+    return (len(ROW_SETTINGS) + 1) * max_rows
+
+
+@dataclass
+class RowSettings:
+    """The random rows of a batch and their settings on the logits' device."""
+
+    rows: list[int]
+    index: torch.Tensor  # [R] int32, the same rows
+    values: dict[str, torch.Tensor]  # by setting name: [R] float32 or int32
+    used: frozenset[str]  # the settings at least one of these rows uses
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The `[R]` device tensor of setting `name`; raises KeyError for a name not in ROW_SETTINGS."""
+        return self.values[name]
+
+    def uses(self, *names: str) -> bool:
+        """Whether some row uses any of the settings `names`."""
+        return not self.used.isdisjoint(names)
+
+
+@dataclass
+class HostRowSettings:
+    """The random rows' settings as host lists, by setting name."""
+
+    rows: list[int]
+    values: dict[str, list[Value]]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> HostRowSettings:
+        """The settings of the rows of `seqs` that sample at random."""
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        params = [seqs[i].params for i in rows]
+        return cls(rows, {s.name: [s.read(p) for p in params] for s in ROW_SETTINGS})
+
+    @property
+    def used(self) -> frozenset[str]:
+        """The settings at least one row uses."""
+        return frozenset(s.name for s in ROW_SETTINGS if any(s.used(v) for v in self.values[s.name]))
+
+
+@dataclass
+class StagedRowSettings:
+    """Where `stage_row_settings` put the settings in the staging buffer (device views exist after upload)."""
+
+    rows: list[int]
+    index: slice
+    where: dict[str, slice]
+    used: frozenset[str]
+
+    def tensors(self, staging: StagingBuffer) -> RowSettings:
+        """The device views of the staged settings; valid once `staging` was uploaded."""
+        views = {s.name: (staging.floats if s.is_float else staging.ints)(self.where[s.name]) for s in ROW_SETTINGS}
+        return RowSettings(self.rows, staging.ints(self.index), views, self.used)
+
+
+def stage_row_settings(staging: StagingBuffer, seqs: list[Sequence]) -> StagedRowSettings | None:
+    """Put the random rows' settings into this step's staging buffer; None when every row is greedy."""
+    host = HostRowSettings.of(seqs)
+    if not host.rows:
+        return None
+    index = staging.put(host.rows)
+    where = {s.name: s.stage(staging, host.values[s.name]) for s in ROW_SETTINGS}
+    return StagedRowSettings(host.rows, index, where, host.used)
+
+
+def row_settings_on(device: torch.device, seqs: list[Sequence]) -> RowSettings | None:
+    """`stage_row_settings` without a staging buffer (tests, and sampling a row alone after a failure); None
+    when every row is greedy."""
+    host = HostRowSettings.of(seqs)
+    if not host.rows:
+        return None
+    values = {s.name: torch.tensor(host.values[s.name], dtype=torch.float32 if s.is_float else torch.int32).to(device)
+              for s in ROW_SETTINGS}
+    return RowSettings(host.rows, torch.tensor(host.rows, dtype=torch.int32).to(device), values, host.used)

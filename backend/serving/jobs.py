@@ -1,0 +1,104 @@
+"""What the serving threads pass around, without the loop that runs them: a request's `Job`, the
+`ResponseSink` its results go to, the `ErrorKind` of a final error, the metrics `LoopObserver` and
+`merge_outputs`. Sinks and metrics import this module, never serving/engine_loop.py.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tritium.backend.outputs import RequestOutput
+from tritium.backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tritium.backend.engine import LLMEngine
+
+
+class ErrorKind(enum.Enum):
+    """What a final error means to the client (Triton maps them to gRPC / HTTP status codes)."""
+
+    INVALID = "invalid"  # the request's own fault: INVALID_ARG
+    OVERLOADED = "overloaded"  # refused, retry later: UNAVAILABLE (the message starts "overloaded:")
+    UNAVAILABLE = "unavailable"  # the model is not serving: UNAVAILABLE
+    INTERNAL = "internal"  # failed while generating: INTERNAL
+    # Triton's HTTP generate endpoints answer every model error with 400, and a gRPC stream carries only the
+    # message: the code reaches gRPC unary-style clients only.
+
+
+ENGINE_FAILED = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
+                 ErrorKind.UNAVAILABLE)
+
+
+class ResponseSink(Protocol):
+    """Where a job's results go. `send_output` with a finished output and `send_error` are final."""
+
+    def send_output(self, output: RequestOutput) -> None:
+        """Send what `output` adds (final when `output.finished`); may raise (that request alone then fails)."""
+
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        """Send the final error."""
+
+    def is_cancelled(self) -> bool:
+        """Whether the client gave up on the request."""
+
+
+class LoopObserver(Protocol):
+    """Metrics hooks, called on the engine thread (`on_refused` on the caller of `submit`)."""
+
+    def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
+    def on_refused(self) -> None: ...
+    def on_engine_failed(self) -> None: ...
+    def on_stream_interval(self, interval: int) -> None: ...
+
+
+class NoObserver:
+    """The observer of a loop without metrics."""
+
+    def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
+    def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
+    def on_refused(self) -> None: ...
+    def on_engine_failed(self) -> None: ...
+    def on_stream_interval(self, interval: int) -> None: ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One accepted request as the serving threads see it, from `submit` to its final response."""
+
+    request_id: str
+    params: SamplingParams
+    sink: ResponseSink
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    deadline: float | None = None  # time.monotonic() after which the request is aborted
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    next_cancel_check: float = 0.0
+    matcher: Any = None  # its structured output's compiled matcher (llguidance), once compiled
+    num_responses: int = 0  # responses sent (the response thread's)
+    closed: bool = False  # its final response (or error) went out: nothing more is sent
+
+
+@dataclass(eq=False)
+class Delivery:
+    """What the response thread has to send for one job: an output (deltas merged when several steps'
+    outputs wait) or a final error."""
+
+    job: Job
+    output: RequestOutput | None = None
+    error: tuple[str, ErrorKind] | None = None
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output saying what `older` and then `newer` said (deltas joined; totals and state from `newer`).
+    Returns `newer`, updated in place."""
+    newer.delta_text = older.delta_text + newer.delta_text
+    newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
+    if older.delta_logprobs is not None:
+        newer.delta_logprobs = older.delta_logprobs + (newer.delta_logprobs or [])
+    return newer

@@ -1,0 +1,138 @@
+"""The device side of the engine: one call, `execute(batch)`, per step.
+
+The worker owns the device (device.py), the model and its KV cache (sized by kv_sizing.py), the model runner,
+the staging buffer, the decode graphs, the sampler and the constrained requests' grammar matchers. A step
+stages the runner's inputs and the random rows' sampling settings into the staging buffer, uploads them in
+one copy and runs the forward pass while the grammar masks are computed on their own thread; then it samples
+with the masks and advances the grammars with the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tritium.backend.config import EngineConfig
+from tritium.backend.core.scheduler import SchedulerOutput
+from tritium.backend.core.sequence import Sequence
+from tritium.backend.models.config import ModelConfig, check_attention_backend
+from tritium.backend.models.loader import load_model
+from tritium.backend.sample.sampler import Sampler, SamplerOutput
+from tritium.backend.sample.settings import RowSettings, row_settings_slots, stage_row_settings
+from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.structured_output.compiler import GrammarCompiler
+from tritium.backend.structured_output.decoding import StructuredDecoding
+from tritium.backend.testing.faults import FaultInjector
+from tritium.backend.worker.attention import get_attention_backend, resolve_backend_name
+from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets
+from tritium.backend.worker.device import set_up_device, use_device
+from tritium.backend.worker.kv_sizing import num_kv_blocks
+from tritium.backend.worker.model_runner import ModelRunner, step_input_slots
+from tritium.backend.worker.staging import StagingBuffer
+
+if TYPE_CHECKING:
+    import llguidance
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What a step produced for each sequence that sampled (`SchedulerOutput.sampling`, in that order): its
+    token (None when it got none: `errors` says why), its logprobs when asked, and whether its grammar is
+    complete (only EOS may follow: the request stops). `failed`: the forward pass raised, so no sequence got a
+    token and every scheduled one fails (the lists are empty then)."""
+
+    token_ids: list[int | None] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+    grammar_complete: list[bool] = field(default_factory=list)
+    failed: bool = False
+
+
+class Worker:
+    """Loads the model on the configured device, sizes and allocates its KV cache, captures the decode graphs
+    and warms every kernel up (`warm_up_s`). Raises ValueError (or ModelFolderError) when the model cannot
+    run here: an unsupported checkpoint or head size, or a KV cache that cannot hold one `max_model_len`
+    sequence."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler) -> None:
+        self.device = set_up_device(config)
+        self.dtype = config.torch_dtype(self.device)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        # Before the weights load: a head size the attention backend cannot run is refused at once.
+        check_attention_backend(ModelConfig.from_folder(model_path),
+                                resolve_backend_name(config.attention_backend, self.device))
+        model = load_model(model_path, self.dtype, self.device, config.max_model_len)
+        self.model_config = model.config
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        self.num_blocks = num_kv_blocks(config, model, self.device, self.dtype, self.max_model_len)
+        seqs = config.max_num_seqs
+        slots = step_input_slots(seqs, config.max_num_batched_tokens, self.max_model_len, config.block_size)
+        self.staging = StagingBuffer(slots + row_settings_slots(seqs), self.device)
+        use_graphs = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
+        self.graphs = DecodeGraphs(graph_buckets(seqs) if use_graphs else [], self.device)
+        self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device, seqs,
+                                  self.max_model_len, self.staging, self.graphs)
+        self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=self.device)
+        self.structured = StructuredDecoding(grammars, self.device, seqs)
+        self.faults = FaultInjector.from_env()
+        self.warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
+
+    def add_request(self, request_id: str, params: SamplingParams, matcher: llguidance.LLMatcher | None) -> None:
+        """Take on a request's device-side state: its grammar matcher (`matcher`, or compiled here from
+        `params.structured_output`) and its seeded generator. Raises ValueError, holding nothing of it, when
+        its structured output cannot be enforced."""
+        if params.structured_output is not None:
+            self.structured.add(request_id, params.structured_output, matcher)
+        self.sampler.add_request(request_id, params.seed)
+
+    def release(self, request_id: str) -> None:
+        """Drop a finished request's state: its generator, matcher and block-table row (none: nothing happens)."""
+        self.sampler.remove_request(request_id)
+        self.structured.remove(request_id)
+        self.runner.release(request_id)
+
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        """Run one scheduled step: the forward pass (the constrained rows' grammar masks computed meanwhile),
+        sampling, the grammars advanced. A forward pass that raised is logged and comes back as a failed
+        result; the worker is ready for the next step either way. Sampling failures are per row (`errors`)."""
+        use_device(self.device)  # the serving loop steps on a thread of its own
+        for seq in batch.preempted:  # readmitted later with new blocks: a new row then
+            self.runner.release(seq.request_id)
+        pending_masks = self.structured.start(batch.sampling)
+        try:
+            logits, settings = self._forward(batch)
+        except Exception:
+            logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
+            self.structured.wait(pending_masks)  # the mask thread must be done with its buffer before the next step
+            return StepResult(failed=True)
+        masks = self.structured.wait(pending_masks)
+        if not batch.sampling:
+            return StepResult()
+        return self._accept(batch.sampling, self.sampler(logits, batch.sampling, settings, masks))
+
+    def _forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor, RowSettings | None]:
+        """Stage the runner's inputs and the random rows' settings, upload them in one copy and run the forward
+        pass: the sampling rows' logits and those settings on the device."""
+        self.faults.check(s.seq.prompt for s in batch.scheduled)
+        self.staging.begin()
+        step = self.runner.prepare(batch.scheduled)
+        staged = stage_row_settings(self.staging, batch.sampling)
+        self.staging.upload()
+        logits = self.runner.execute(step)
+        return logits, staged.tensors(self.staging) if staged is not None else None
+
+    def _accept(self, seqs: list[Sequence], sampled: SamplerOutput) -> StepResult:
+        """Advance the constrained rows' grammars with their tokens: a token that breaks its grammar becomes
+        that row's error; a grammar that is complete says so."""
+        complete = [False] * len(seqs)
+        for row, verdict in self.structured.accept(seqs, sampled.token_ids).items():
+            if verdict.error is not None:
+                sampled.token_ids[row], sampled.errors[row] = None, verdict.error
+            complete[row] = verdict.complete
+        return StepResult(sampled.token_ids, sampled.logprobs, sampled.errors, complete)

@@ -1,0 +1,221 @@
+"""`tritium bench ...`: each benchmark's options, and a thin adapter onto its library function in client/bench/.
+
+Every adapter imports its benchmark only when it runs, so `tritium --help` stays fast. `tritium bench aiperf`
+is forwarded whole to client/bench/aiperf.py, which declares its own options (`add_arguments(parser)`) and
+runs (`run(args) -> int`); that module is imported only when the subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+from tritium.client.cli import options
+
+AIPERF_MODULE = "tritium.client.bench.aiperf"
+FORWARDED = "forwarded_args"  # the Namespace attribute that carries a forwarding subcommand's arguments
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `bench` and every `bench` subcommand on the top-level subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for register in (_offline, _structured, _grammar_load, _kernels, _overhead, _serve, _interference, _cluster,
+                     _aiperf):
+        register(bench)
+
+
+def _offline(bench: Any) -> None:
+    p = bench.add_parser("offline", help="offline throughput: tritium vs transformers")
+    options.num_requests(p, 32)
+    options.output_len(p, 128)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--skip-transformers", action="store_true")
+    options.out_dir(p)
+    p.set_defaults(func=run_offline)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    """bench/offline.py; returns 0."""
+    from tritium.client.bench.offline import run_offline_benchmark
+
+    run_offline_benchmark(num_requests=args.num_requests, output_len=args.output_len, min_prompt=args.min_prompt,
+                          max_prompt=args.max_prompt, skip_transformers=args.skip_transformers,
+                          out_dir=args.out_dir, max_num_seqs=args.max_num_seqs)
+    return 0
+
+
+def _structured(bench: Any) -> None:
+    p = bench.add_parser("structured", help="JSON-schema constrained decoding: throughput, compile and mask times")
+    options.num_requests(p, 32, help="requests submitted at once")
+    options.output_len(p, 256, help="max_tokens of every request")
+    p.add_argument("--repeats", type=int, default=3, help="constrained / unconstrained runs, alternating")
+    options.smoke(p, help="few requests and tokens, one repeat: checks the script")
+    options.out_dir(p)
+    p.set_defaults(func=run_structured)
+
+
+def run_structured(args: argparse.Namespace) -> int:
+    """bench/structured.py; returns 0."""
+    from tritium.client.bench.structured import run_structured_benchmark
+
+    run_structured_benchmark(out_dir=args.out_dir, num_requests=args.num_requests, output_len=args.output_len,
+                             repeats=args.repeats, smoke=args.smoke)
+    return 0
+
+
+def _grammar_load(bench: Any) -> None:
+    p = bench.add_parser("grammar-load", help="memory of many large schemas; wait of a request behind large compiles")
+    p.add_argument("--num-schemas", type=int, default=1000, help="distinct schemas compiled (memory)")
+    p.add_argument("--kib", type=int, default=100, help="size of each of them")
+    p.add_argument("--sample-every", type=int, default=50, help="RSS sampled every this many schemas")
+    p.add_argument("--num-large", type=int, default=10, help="large schemas queued before an unconstrained request")
+    p.add_argument("--large-kib", type=int, default=120, help="size of each of those")
+    options.out_dir(p)
+    p.set_defaults(func=run_grammar_load)
+
+
+def run_grammar_load(args: argparse.Namespace) -> int:
+    """bench/grammar_load.py; returns 0."""
+    from tritium.client.bench.grammar_load import run_grammar_load_benchmark
+
+    run_grammar_load_benchmark(num_schemas=args.num_schemas, kib=args.kib, num_large=args.num_large,
+                               large_kib=args.large_kib, sample_every=args.sample_every, out_dir=args.out_dir)
+    return 0
+
+
+def _kernels(bench: Any) -> None:
+    p = bench.add_parser("kernels", help="Triton kernels vs torch SDPA / paged gather (CUDA)")
+    options.smoke(p, help="tiny shapes on the CPU interpreter, to test the script")
+    options.out_dir(p)
+    p.set_defaults(func=run_kernels)
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    """bench/kernels.py; returns 0. Raises RuntimeError without CUDA (unless --smoke)."""
+    from tritium.client.bench.kernels import run_kernel_benchmark
+
+    run_kernel_benchmark(out_dir=args.out_dir, smoke=args.smoke)
+    return 0
+
+
+def _overhead(bench: Any) -> None:
+    p = bench.add_parser("overhead", help="served / in-process ratios (throughput, ITL) on the tiny and default models")
+    options.out_dir(p)
+    p.add_argument("--quick", action="store_true", help="few requests, short outputs: checks the script itself")
+    p.add_argument("--skip-tiny", action="store_true", help="leave out the tiny-model scenarios")
+    p.add_argument("--skip-default", action="store_true", help="leave out the default-model scenarios")
+    p.add_argument("--tiny-model", default=None, help="an existing tiny checkpoint folder (else one is written)")
+    options.num_requests(p, None, help="requests in every scenario (default: per scenario: tiny 128 at c=64, "
+                         "16 at c=1; default 64 at c=32, 4 at c=1)")
+    options.output_len(p, None, help="output tokens per request (default 128; 16 with --quick)")
+    p.set_defaults(func=run_overhead)
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    """bench/overhead.py; returns 1 when a request failed, else 0."""
+    from tritium.client.bench.overhead import has_errors, run_overhead_benchmark
+
+    report = run_overhead_benchmark(out_dir=args.out_dir, quick=args.quick, skip_tiny=args.skip_tiny,
+                                    skip_default=args.skip_default, tiny_model=args.tiny_model,
+                                    num_requests=args.num_requests, output_len=args.output_len)
+    return 1 if has_errors(report) else 0
+
+
+def _serve(bench: Any) -> None:
+    p = bench.add_parser("serve", help="TTFT / ITL / throughput against a running server (genai-perf metrics)")
+    options.url(p, help="gRPC host:port (triton) or base URL .../v1 (openai)")
+    p.add_argument("--backend", choices=["triton", "openai"], default="triton")
+    options.model(p, default="tritium", help="the served model's name")
+    options.concurrency(p, [1, 8, 32], help="closed-loop sweep", sweep=True)
+    p.add_argument("--request-rate", type=float, nargs="+", help="open-loop Poisson rates (req/s) instead")
+    options.num_requests(p, 64)
+    p.add_argument("--input-len", type=int, default=128)
+    options.output_len(p, 64)
+    options.api_key(p)
+    options.out_dir(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """bench/serve.py; returns 1 when a request failed, else 0."""
+    from tritium.client.bench.serve import has_errors, run_serve_benchmark
+
+    report = run_serve_benchmark(
+        url=args.url, backend=args.backend, model=args.model, concurrency=args.concurrency,
+        request_rates=args.request_rate, num_requests=args.num_requests, input_len=args.input_len,
+        output_len=args.output_len, api_key=args.api_key or None, out_dir=args.out_dir,
+    )
+    return 1 if has_errors(report) else 0
+
+
+def _interference(bench: Any) -> None:
+    p = bench.add_parser("interference", help="ITL of running streams alone vs while big prompts arrive")
+    options.url(p, help="gRPC host:port of the server")
+    p.add_argument("--http-url", default="http://127.0.0.1:8000", help="its HTTP address (big prompts go there)")
+    p.add_argument("--streams", type=int, default=16)
+    options.output_len(p, 64)
+    p.add_argument("--big-prompt-kib", type=int, default=500)
+    options.out_dir(p)
+    p.set_defaults(func=run_interference)
+
+
+def run_interference(args: argparse.Namespace) -> int:
+    """bench/interference.py; returns 0. Raises RuntimeError when a stream fails."""
+    from tritium.client.bench.interference import run_interference_benchmark
+
+    run_interference_benchmark(args.url, args.http_url, streams=args.streams, output_len=args.output_len,
+                               big_prompt_kib=args.big_prompt_kib, out_dir=args.out_dir)
+    return 0
+
+
+def _cluster(bench: Any) -> None:
+    p = bench.add_parser("cluster", help="1 replica vs 2 behind tritium's router vs 2 behind vllm-router "
+                         "(cache_aware), shared-prefix prompts, on this machine")
+    options.model(p, help="model folder (default: the default model)")
+    options.concurrency(p, 16, help="requests in flight (closed loop)")
+    options.num_requests(p, 64, help="requests per setup")
+    options.output_len(p, 32, help="output tokens per request (ignore_eos)")
+    p.add_argument("--prefix-tokens", type=int, default=256, help="tokens of each group's shared prefix")
+    p.add_argument("--groups", type=int, default=4, help="prefix groups (requests cycle through them)")
+    options.out_dir(p, flag="--out", help="folder for cluster.json and cluster.png")
+    p.add_argument("--skip-vllm-router", action="store_true", help="leave out setup c (noted in the report)")
+    p.set_defaults(func=run_cluster)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """bench/cluster.py; returns 1 when a request failed, else 0. Raises RuntimeError when the cluster does not
+    start (or vllm-router is missing without --skip-vllm-router)."""
+    from tritium.client.bench.cluster import has_errors, run_cluster_benchmark
+
+    report = run_cluster_benchmark(
+        out_dir=args.out, model=args.model, concurrency=args.concurrency, num_requests=args.num_requests,
+        output_len=args.output_len, prefix_tokens=args.prefix_tokens, groups=args.groups,
+        skip_vllm_router=args.skip_vllm_router,
+    )
+    return 1 if has_errors(report) else 0
+
+
+def _aiperf(bench: Any) -> None:
+    # No options here: everything after `aiperf` (--help too) is forwarded to the module's own parser.
+    p = bench.add_parser("aiperf", add_help=False,
+                         help="AIPerf (NVIDIA's genai-perf successor) against a tritium server "
+                         "(options: tritium bench aiperf --help)")
+    p.set_defaults(func=run_aiperf, **{FORWARDED: []})
+
+
+def run_aiperf(args: argparse.Namespace) -> int:
+    """client/bench/aiperf.py with the forwarded arguments; returns its exit status, or 2 when that module
+    cannot be imported."""
+    try:
+        module = importlib.import_module(AIPERF_MODULE)
+    except ImportError as exc:
+        print(f"error: tritium bench aiperf needs {AIPERF_MODULE}: {exc}", file=sys.stderr)
+        return 2
+    description = (module.__doc__ or "").strip().splitlines()[:1]
+    parser = argparse.ArgumentParser(prog="tritium bench aiperf", description=description[0] if description else None)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(getattr(args, FORWARDED))))

@@ -1,0 +1,46 @@
+"""`tritium openai`: an OpenAI-compatible endpoint in front of one or more tritonserver replicas (with more than
+one, tritium's router picks the replica)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tritium.client.cli import options
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `openai` and its options on the top-level subparsers."""
+    p = subparsers.add_parser("openai", help="OpenAI-compatible endpoint in front of tritonserver replicas")
+    p.add_argument("--upstream", action="append", required=True, help="host:grpc_port of a tritonserver (repeat)")
+    p.add_argument("--upstream-metrics", action="append", default=None,
+                   help="metrics URL of each --upstream, in the same order (engine load and health, the vllm:* "
+                   "gauges; default: http://HOST:8002/metrics for an upstream on port 8001)")
+    options.host(p)
+    p.add_argument("--port", type=int, default=9000)
+    options.api_key(p, help="require Authorization: Bearer KEY; also sent to Triton "
+                    f"(default: ${options.API_KEY_ENV})")
+    options.model(p, default="tritium", help="Triton model name, also the OpenAI model id")
+    options.tokenizer(p, "model folder whose tokenizer/chat template to use")
+    p.add_argument("--max-concurrency", type=int, default=256,
+                   help="upstream requests in flight (a choice each) beyond which requests get 503 + Retry-After")
+    p.add_argument("--expose-model-path", action="store_true",
+                   help="name the local model folder in /model_info and /server_info (sglang-router loads the "
+                   "tokenizer from there); by default those open routes carry no filesystem path")
+    options.unsafe_no_auth(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until stopped; returns 0 then, 2 when the bind policy refuses the address."""
+    from tritium.client.cli.bind_policy import open_bind_refusal
+    from tritium.client.openai.app import serve_openai
+
+    if (refusal := open_bind_refusal(args.host, bool(args.api_key), args.unsafe_no_auth)) is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer,
+                 max_concurrency=args.max_concurrency, metrics_urls=args.upstream_metrics,
+                 expose_model_path=args.expose_model_path)
+    return 0

@@ -1,0 +1,134 @@
+"""`tritium serve`: the model repository on a real tritonserver, until Ctrl-C; models whose engine failed are
+unloaded so that they report not ready."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tritium.client.cli import options
+
+if TYPE_CHECKING:
+    from tritium.client.triton.launcher import ServerOptions, TritonServer
+
+ADMIN_KEY_ENV = "TRITIUM_ADMIN_KEY"
+HEALTH_POLL_S = 1.0  # how often `serve` reads tritium_engine_healthy from the metrics port
+# The request `serve` prints for a newcomer to copy: a question the default (instruct) model answers in a
+# sentence, through its chat template (a bare question makes it end at once). tests/server/test_server.py sends it.
+EXAMPLE_REQUEST = {"text_input": "What is the capital of France?", "apply_chat_template": True, "max_tokens": 32,
+                   "temperature": 0}
+
+
+def default_repository() -> Path:
+    """The checkout's model_repository/ (an editable install), else ./model_repository."""
+    from tritium.client.triton.repository import PACKAGE_REPOSITORY
+
+    return PACKAGE_REPOSITORY if PACKAGE_REPOSITORY.is_dir() else Path("model_repository")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `serve` and its options on the top-level subparsers."""
+    p = subparsers.add_parser("serve", help="serve the model repository with a real tritonserver")
+    p.add_argument("--model-repository", default=str(default_repository()))
+    options.host(p)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    options.api_key(p, help="require this x-api-key for inference, metadata, model config and statistics "
+                    f"(default: ${options.API_KEY_ENV})")
+    p.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
+                   help=f"require this x-admin-key for model load/unload, logging, trace and shared memory "
+                   f"(default: ${ADMIN_KEY_ENV}; with --api-key but no admin key those stay closed)")
+    p.add_argument("--model-control", choices=["none", "explicit"], default="none",
+                   help="none: load every model at start-up; explicit: only --load-model ones (either way "
+                   "a model whose engine fails is unloaded)")
+    p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
+    p.add_argument("--log-verbose", type=int, default=0)
+    options.unsafe_no_auth(p)
+    p.set_defaults(func=run)
+
+
+def auth_summary(options: ServerOptions) -> str:
+    """One line saying which key guards which APIs."""
+    inference = "x-api-key" if options.api_key else "open"
+    admin = ("x-admin-key" if options.admin_key else
+             "closed (no --admin-key)" if options.api_key else "open")
+    return (f"inference, metadata, model config, statistics: {inference}; model load/unload, logging, trace, "
+            f"shared memory: {admin}; health: open")
+
+
+def unload_failed_engines(server: TritonServer) -> None:
+    """Unload every model whose engine failed, and the ensembles running it, so that their ready endpoints
+    say not ready (what happens is printed to stderr; a refused unload is reported, not raised)."""
+    from tritium.client.triton.launcher import dependent_ensembles
+
+    for failed in server.failed_engines():
+        ensembles = dependent_ensembles(server.options.model_repository, failed.model)
+        also = f" (and the ensembles using it: {', '.join(ensembles)})" if ensembles else ""
+        print(f"ERROR: model {failed.model} version {failed.version}: the engine failed; unloading it{also} so "
+              f"that it reports not ready (see the server log: {server.log_path})", file=sys.stderr, flush=True)
+        for name in [*ensembles, failed.model]:
+            try:
+                server.unload_model(name)
+            except RuntimeError as exc:
+                print(f"ERROR: model {name}: {exc}", file=sys.stderr, flush=True)
+            else:
+                print(f"model {name} is being unloaded; load it again (POST /v2/repository/models/{name}/load, "
+                      "x-admin-key) or restart the server", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM; returns 0 then, 1 when tritonserver fails to start or exits, 2 when the
+    bind policy refuses the address."""
+    import signal
+    import threading
+    import time
+
+    from tritium.client.cli.bind_policy import open_bind_refusal
+    from tritium.client.triton.launcher import ServerOptions, TritonServer
+
+    if (refusal := open_bind_refusal(args.host, bool(args.api_key), args.unsafe_no_auth)) is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    server_options = ServerOptions(
+        model_repository=Path(args.model_repository).resolve(), host=args.host, http_port=args.http_port,
+        grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
+        admin_key=args.admin_key or None, model_control=args.model_control, load_models=args.load_model or [],
+        log_verbose=args.log_verbose,
+    )
+    server = TritonServer(server_options)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting tritonserver on {server_options.model_repository} ...", flush=True)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    key_header = ' -H "x-api-key: $TRITIUM_API_KEY"' if server_options.api_key else ""
+    print(
+        f"tritium is serving\n  HTTP:    {server.http_url}\n  gRPC:    {server.grpc_url}\n"
+        f"  metrics: {server.metrics_url}\n  auth:    {auth_summary(server_options)}\n\n"
+        f"try:\n  curl -s{key_header} {server.http_url}/v2/models/tritium/generate \\\n"
+        f"    -d '{json.dumps(EXAMPLE_REQUEST)}'\n"
+        "Ctrl-C stops the server.",
+        flush=True,
+    )
+    next_health_check = 0.0
+    while not stop.is_set():
+        if server.process is not None and server.process.poll() is not None:
+            print(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+            server.stop()
+            return 1
+        if time.monotonic() >= next_health_check:
+            next_health_check = time.monotonic() + HEALTH_POLL_S
+            unload_failed_engines(server)
+        stop.wait(0.25)
+    print("stopping ...", flush=True)
+    server.stop()
+    return 0

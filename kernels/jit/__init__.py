@@ -1,0 +1,1 @@
+"""The @triton.jit kernel bodies, one module per host module of tritium.kernels (mypy skips them)."""
