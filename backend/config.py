@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tritium.backend.models.quantization import check_quantization
+
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -29,6 +31,8 @@ class EngineConfig:
     cache must hold one sequence of max_model_len tokens or the engine refuses to start.
     enforce_eager False runs decode steps through the CUDA-graph path (captured per batch-size bucket on
     CUDA; on a CPU the same padded static buffers run eagerly), True never does, None picks graphs on CUDA.
+    Graphs need the triton attention backend: with `attention_backend="torch"` on CUDA decode steps always run
+    eagerly (that backend's forward synchronizes with the host and cannot be captured; see decode_graphs.py).
     """
 
     model: str | None = None
@@ -49,6 +53,12 @@ class EngineConfig:
     # compiled-grammar cache (entries charged by their estimated memory; see grammar_compiler.py).
     max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    # CPU intra-op (torch/OpenMP) threads; None: sized to the usable cores, one or two left free when served
+    # (worker/threads.py). Not used on CUDA.
+    num_threads: int | None = None
+    # Weight-only quantization of every linear layer and the logits head at load: "int8" (per output channel,
+    # symmetric; models/quantization.py) or None (the weights stay in `dtype`).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -72,6 +82,11 @@ class EngineConfig:
             raise ValueError(f"max_structured_output_bytes must be >= 1, got {self.max_structured_output_bytes}")
         if self.grammar_cache_bytes < 0:
             raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or
+                                             isinstance(self.num_threads, bool) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be an integer >= 1 (or null: sized to the host), "
+                             f"got {self.num_threads!r}")
+        check_quantization(self.quantization)
 
     def torch_device(self) -> torch.device:
         """The device `device` names; "auto" is CUDA when there is one, else the CPU."""

@@ -19,10 +19,7 @@ from tritium.backend.output_processor import OutputProcessor
 from tritium.backend.outputs import RequestOutput
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.structured_output.compiler import CompileCallback, GrammarCompiler
-from tritium.backend.structured_output.decoding import StructuredDecoding
-from tritium.backend.testing.faults import FaultInjector
 from tritium.backend.tokenizer import Tokenizer
-from tritium.backend.worker.model_runner import ModelRunner
 from tritium.backend.worker.worker import StepResult, Worker
 
 if TYPE_CHECKING:
@@ -61,7 +58,8 @@ class EngineStats:
 class LLMEngine:
     """Requests in, delta outputs out: the scheduler, the worker and the text side, driven by `step`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, served: bool = False) -> None:
+        """`served`: the engine runs inside tritonserver (triton_model.py), which sizes its CPU threads."""
         self.config = config
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer(self.model_path)
@@ -70,7 +68,7 @@ class LLMEngine:
         checkpoint = ModelConfig.from_folder(self.model_path)
         self.grammars = GrammarCompiler(self.tokenizer, checkpoint.eos_token_ids,
                                         cache_bytes=config.grammar_cache_bytes)
-        self.worker = Worker(config, self.model_path, self.grammars)
+        self.worker = Worker(config, self.model_path, self.grammars, served)
         self.device, self.dtype = self.worker.device, self.worker.dtype
         self.model_config = self.worker.model_config
         self.max_model_len = self.worker.max_model_len
@@ -88,28 +86,9 @@ class LLMEngine:
         graphs = self.worker.graphs.buckets
         logger.info(
             "tritium engine: %s, %s on %s, %s attention, %d KV blocks of %d tokens, %s; warm-up %.2f s",
-            self.model_path, self.dtype, self.device, self.runner.backend.name, self.worker.num_blocks,
+            self.model_path, self.dtype, self.device, self.worker.runner.backend.name, self.worker.num_blocks,
             config.block_size, f"decode graphs for batch sizes {graphs}" if graphs else "eager", self.worker.warm_up_s,
         )
-
-    @property
-    def runner(self) -> ModelRunner:
-        """The worker's model runner (tests and benchmarks look inside)."""
-        return self.worker.runner
-
-    @property
-    def structured(self) -> StructuredDecoding:
-        """The worker's matchers of the running constrained requests."""
-        return self.worker.structured
-
-    @property
-    def faults(self) -> FaultInjector:
-        """The test-only faults: a step's (`check`, run by the worker) and the serving loop's (`check_loop`)."""
-        return self.worker.faults
-
-    @faults.setter
-    def faults(self, faults: FaultInjector) -> None:
-        self.worker.faults = faults
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -8,6 +8,7 @@ coercion (`serving/request.py`, `serving/ids_model.py`) and the OpenAI request m
 
 from __future__ import annotations
 
+import builtins
 import math
 import types
 import typing
@@ -123,8 +124,8 @@ class SamplingField:
     """One field of SamplingParams as the parsers see it."""
 
     name: str
-    type: type  # int, float, bool, str, list or StructuredOutput
-    item: type | None  # a list's element type
+    type: builtins.type  # int, float, bool, str, list or StructuredOutput
+    item: builtins.type | None  # a list's element type (`type` above shadows the builtin in this class body)
     optional: bool  # None is allowed (and means "not set")
     default: Any
     bounds: dict[str, float]  # ge / gt / le
@@ -161,7 +162,12 @@ def _describe(cls: type) -> dict[str, SamplingField]:
         if origin not in (int, float, bool, str, list, StructuredOutput):
             raise TypeError(f"SamplingParams.{f.name}: the parsers know int, float, bool, str, list and "
                             f"StructuredOutput, not {hint}")
-        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        if f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"SamplingParams.{f.name}: a field needs a default")
         described[f.name] = SamplingField(f.name, origin, item, optional, default, dict(f.metadata))
     return described
 
@@ -169,7 +175,7 @@ def _describe(cls: type) -> dict[str, SamplingField]:
 SAMPLING_FIELDS: dict[str, SamplingField] = _describe(SamplingParams)
 
 
-def _int(p: SamplingParams, name: str, minimum: int | None = None, maximum: int | None = None) -> None:
+def _int(p: SamplingParams, name: str, minimum: float | None = None, maximum: float | None = None) -> None:
     value = getattr(p, name)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")

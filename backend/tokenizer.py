@@ -21,9 +21,10 @@ TOKENIZER_NICE = 10  # serving tokenizes at this nice value: big prompts must no
 
 
 def _token_text(value: Any) -> str | None:
+    """A special token's text in tokenizer_config.json: the string itself, or an AddedToken object's `content`."""
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
@@ -127,6 +128,9 @@ class Tokenizer:
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
+        """The chat template, compiled once. Raises ValueError when the model has none."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a plain prompt instead")
         return _template_env().from_string(self.chat_template)
 
     def apply_chat_template(
@@ -136,8 +140,6 @@ class Tokenizer:
         """Render the model's chat template; `tools` (OpenAI's `{"type": "function", "function": ...}`
         objects) are passed as transformers passes them (None when there are none). Raises ValueError when
         the model has none or the template rejects the messages."""
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; pass a plain prompt instead")
         try:
             return self._compiled_template.render(
                 messages=messages,

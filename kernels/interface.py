@@ -52,6 +52,11 @@ class KernelOps(Protocol):
         other token (and any t >= 32 * bitmask.shape[1]) gets -inf. Other rows are untouched."""
         ...
 
+    def int8_gemm(self, a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """W8A16: `a` `[M, K]` @ `(q int8 [N, K] * scale fp32 [N, None]).T` -> `[M, N]` in a's dtype, fp32
+        accumulation (int8 weight-only quantization, backend/models/quantization.py)."""
+        ...
+
 
 OP_NAMES = ("store_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-            "apply_token_bitmask")
+            "apply_token_bitmask", "int8_gemm")

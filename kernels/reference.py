@@ -231,3 +231,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
             if packed < vocab:
                 x[:, packed:] = neg
             r += n
+
+
+def int8_gemm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A16 reference: `a` `[M, K]` @ `(q int8 [N, K] * scale fp32 [N, None]).T` in fp32, returned in a's dtype."""
+    return (a.float() @ (q.float() * scale.float()[:, None]).T).to(a.dtype)

@@ -7,7 +7,8 @@ therefore covers every later launch, provided the dummy tensors have the engine'
 views into one fused qkv output of the model dtype, the rotary cache is fp32, block tables, lengths and
 cu_seqlens int32, positions and slots `index_dtype` (int32, as the engine stages them). The token bitmask
 (kernels/token_bitmask.py) is applied to fp32 logits of the engine's vocabulary size, its `rows` either
-int32 or int64 (the contract takes both), so both variants are built.
+int32 or int64 (the contract takes both), so both variants are built. An int8-quantized engine
+(`EngineShape.quantization`) also builds the W8A16 GEMM at its projections' sizes (`int8_gemm_calls`).
 `tritium.kernels.compile_check` compiles exactly these calls for sm_80/sm_90.
 """
 
@@ -49,6 +50,7 @@ class EngineShape:
     device: torch.device | str = "cpu"
     index_dtype: torch.dtype = torch.int32
     vocab_size: int = 49152
+    quantization: str | None = None  # "int8": the W8A16 GEMM of every linear layer and the logits head
 
 
 def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT_CHOICES) -> list[OpCall]:
@@ -86,6 +88,8 @@ def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT
         *(OpCall("apply_token_bitmask", (logits, bitmask, torch.zeros(1, dtype=rows_dtype, device=dev)))
           for rows_dtype in (torch.int32, torch.int64)),
     ]
+    if shape.quantization == "int8":
+        calls += int8_gemm_calls(shape)
     for splits in split_choices:
         kwargs = {} if splits is None else {"num_splits": splits}
         calls.append(OpCall("decode_attention", (q[:1], key_cache, value_cache, block_tables, seq_lens[:1], scale),
@@ -104,3 +108,25 @@ def warm_up(ops: KernelOps, shape: EngineShape) -> int:
     if torch.device(shape.device).type == "cuda":
         torch.cuda.synchronize(shape.device)
     return len(calls)
+
+
+def _same_specialization(size: int) -> int:
+    """A size no larger than 256 + 15 that Triton's JIT specializes like `size` (divisible by 16 or not, 1 or not):
+    the dummy int8 weights stay small even for a 128k-token vocabulary."""
+    return size if size <= 256 else 256 + size % 16
+
+
+def int8_gemm_calls(shape: EngineShape) -> list[OpCall]:
+    """int8_gemm at each quantized projection's (N, K) (fused QKV, output, fused gate/up, down, logits head), with
+    a decode-sized (1) and a prefill-sized (32) row count: the two tile configurations of kernels/int8_gemm.py."""
+    dev = torch.device(shape.device)
+    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, inter = shape.hidden_size, shape.intermediate_size
+    calls = []
+    for n, k in ((q_size + 2 * kv_size, h), (h, q_size), (2 * inter, h), (h, inter), (shape.vocab_size, h)):
+        n, k = _same_specialization(n), _same_specialization(k)
+        weight = torch.zeros(n, k, dtype=torch.int8, device=dev)
+        scale = torch.ones(n, dtype=torch.float32, device=dev)
+        calls += [OpCall("int8_gemm", (torch.zeros(rows, k, dtype=shape.dtype, device=dev), weight, scale))
+                  for rows in (1, 32)]
+    return calls

@@ -72,7 +72,7 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
         assert all(r == 0 for r in bm.ref_counts)
-        assert engine.runner.block_tables.rows_in_use == 0, "block-table rows leaked"
+        assert engine.worker.runner.block_tables.rows_in_use == 0, "block-table rows leaked"
 
 
 TIERS = ("unit", "kernels", "engine", "server")

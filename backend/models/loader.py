@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from tritium.backend.models.config import ModelConfig, ModelFolderError
 from tritium.backend.models.llama import LlamaForCausalLM, build_cos_sin_cache, cpu_packing_available
+from tritium.backend.models.quantization import check_quantization, quantize_model
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _DIRECT = {
@@ -64,15 +65,18 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for `folder` with its weights in `dtype` on `device`.
+    """Build the model for `folder` with its weights in `dtype` on `device`; `quantization` "int8" quantizes
+    every linear layer and the logits head from those weights (quantization.py).
 
     Raises ModelFolderError for a missing file, an unsupported architecture or feature, missing tensors,
     tensors the model code would not use (a feature it does not implement), or a `max_positions`
     beyond the model's context (its sliding window, when it has one, would be active).
     """
     folder = Path(folder)
+    check_quantization(quantization)
     config = ModelConfig.from_folder(folder)
     if max_positions is not None and max_positions > config.max_position_embeddings:
         reason = f" (its sliding_window of {config.sliding_window} tokens)" if config.sliding_window else ""
@@ -128,6 +132,8 @@ def load_model(
     positions = max_positions or config.max_position_embeddings
     model.cos_sin_cache = build_cos_sin_cache(config, positions)
     model = model.to(device).eval()
-    if device.type == "cpu" and dtype == torch.float32 and cpu_packing_available():
+    if quantization is not None:
+        quantize_model(model, quantization)
+    elif device.type == "cpu" and dtype == torch.float32 and cpu_packing_available():
         model.pack_for_cpu()
     return model

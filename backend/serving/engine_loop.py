@@ -240,7 +240,7 @@ class EngineLoop:
                     return
                 self._admitting.extend(self._queue)
                 self._queue.clear()
-            self.engine.faults.check_loop(job.prompt for job in self._admitting)
+            self.engine.worker.faults.check_loop(job.prompt for job in self._admitting)
             self._admit()
             self._abort_requested()
             if self.engine.has_unfinished_requests():

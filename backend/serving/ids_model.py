@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tritium.backend.detokenizer import PROMPT_CONTEXT_TOKENS
 from tritium.backend.outputs import RequestOutput
@@ -36,7 +37,7 @@ class IdsRequest(EngineRequest):
     stream: bool = False
 
 
-def parse_ids_request(inputs: dict[str, np.ndarray | None]) -> tuple[list[int], dict[str, Any], bool]:
+def parse_ids_request(inputs: dict[str, npt.NDArray[Any] | None]) -> tuple[list[int], dict[str, Any], bool]:
     """(prompt token ids, sampling fields, stream) from TensorRT-LLM style tensors. Raises ValueError."""
     ids = inputs.get("input_ids")
     if ids is None or ids.size == 0:

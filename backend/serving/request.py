@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingParams
 
@@ -130,7 +131,7 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
     return value
 
 
-def scalar(name: str, array: np.ndarray | None) -> Any:
+def scalar(name: str, array: npt.NDArray[Any] | None) -> Any:
     """The single element of an input tensor (shape [1] or [1, 1]), or None when absent."""
     if array is None:
         return None
@@ -156,7 +157,7 @@ def decode_text(name: str, value: Any) -> str:
     raise ValueError(f"{name} must be a string (BYTES tensor), got {type(value).__name__}")
 
 
-def parse_text_request(inputs: dict[str, np.ndarray | None], parameters: dict[str, Any]) -> TextRequest:
+def parse_text_request(inputs: dict[str, npt.NDArray[Any] | None], parameters: dict[str, Any]) -> TextRequest:
     """Build a TextRequest from the request's input arrays (None when absent) and its Triton
     parameters (a dict of scalars). Sampling fields may come from `sampling_parameters` (JSON) and
     from the parameters; the parameters win. With `apply_chat_template`, `exclude_input_in_output`
@@ -183,4 +184,5 @@ def parse_text_request(inputs: dict[str, np.ndarray | None], parameters: dict[st
         else:
             raise ValueError(f"unknown request parameter {key!r}")
     flags.setdefault("exclude_input_in_output", flags.get("apply_chat_template", False))  # a chat reply alone
-    return TextRequest(prompt=prompt, params=sampling_from_dict(sampling), **flags)
+    # A text request has no token ids; naming that leaves `flags` only the boolean fields to fill.
+    return TextRequest(prompt=prompt, prompt_token_ids=None, params=sampling_from_dict(sampling), **flags)

@@ -60,7 +60,7 @@ class EngineModel(ABC, Generic[R]):
         self.timeout_s = settings.request_timeout_s or self.default_timeout_s
         # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
         config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, served=True)  # leaves cores to the server's threads on a CPU
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], self.engine)
         self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval,
                                settings.max_stream_interval)
@@ -68,8 +68,9 @@ class EngineModel(ABC, Generic[R]):
         self._ids = count()
         import torch
 
+        threads = f": {self.engine.worker.threads.reason}" if self.engine.worker.threads else ""
         print(f"tritium {args['model_name']} version {args['model_version']} ready on {self.engine.device} "
-              f"({torch.get_num_threads()} torch threads)", flush=True)
+              f"({torch.get_num_threads()} torch threads{threads})", flush=True)
 
     def execute(self, requests: list[Any]) -> None:
         """Parse each request on its own (a bad one gets its error, the others go on) and submit it."""

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import numpy as np
+import numpy.typing as npt
 
 from tritium.backend.outputs import RequestOutput
 from tritium.backend.serving.jobs import ErrorKind
@@ -25,7 +25,7 @@ def triton_error(pb_utils: Any, message: str, kind: ErrorKind) -> Any:
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
-def read_inputs(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, np.ndarray | None]:
+def read_inputs(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, npt.NDArray[Any] | None]:
     """The request's input tensors by name as numpy arrays; None for an input it does not carry."""
     inputs = {}
     for name in names:

@@ -38,6 +38,8 @@ COMPILE_WORKERS = 2
 COMPILE_NICE = 15  # below the tokenizer thread's 10: tokenizing a prompt is quicker and more urgent
 MATCHER_BYTES_PER_SOURCE_BYTE = 256
 MATCHER_BASE_BYTES = 64 << 10
+LLGUIDANCE_MISSING = ("structured_output needs the llguidance package, which is not installed "
+                      "(pip install llguidance); unconstrained requests do not need it")
 
 # (the matcher, None) or (None, why there is none)
 Compiled = tuple["llguidance.LLMatcher | None", "str | None"]
@@ -127,6 +129,9 @@ class GrammarCompiler:
         """Call `callback(matcher, None)` with a fresh matcher for `spec`, or `callback(None, why)`: at once on a
         cache hit, else from a compile thread once compiled or once `timeout_s` passed. Never raises; the
         callback is called exactly once and must not raise."""
+        if not llguidance_available():
+            callback(None, LLGUIDANCE_MISSING)
+            return
         with self._lock:
             entry = self._cache.get(spec)
             if entry is not None:
@@ -170,6 +175,15 @@ class GrammarCompiler:
             _, evicted = self._cache.popitem(last=False)
             self._cached_bytes -= evicted.charge
             self.stats.evictions += 1
+
+
+def llguidance_available() -> bool:
+    """Whether llguidance imports (it is imported only once a request is constrained)."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _lower_priority() -> None:

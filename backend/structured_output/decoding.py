@@ -12,14 +12,17 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.constraint import StructuredOutput
 from tritium.kernels import reference
+
+if TYPE_CHECKING:  # imported when the first constrained request arrives: unconstrained serving never needs it
+    import llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class StructuredDecoding:
         self.max_rows = max_rows
         self.matchers: dict[str, llguidance.LLMatcher] = {}
         self._host: torch.Tensor | None = None  # [max_rows, vocab / 32] int32, made at the first constrained step
-        self._executor = llguidance.LLExecutor()
+        self._executor: llguidance.LLExecutor | None = None  # made at the first constrained step
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tritium-masks")
 
     def add(self, request_id: str, spec: StructuredOutput, matcher: llguidance.LLMatcher | None = None) -> None:
@@ -96,6 +99,10 @@ class StructuredDecoding:
             self._host = torch.zeros(self.max_rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         host = self._host[: len(rows)]
         host.zero_()  # a row llguidance leaves unwritten (its matcher failed) allows nothing, rather than stale bits
+        if self._executor is None:  # a matcher exists, so llguidance is importable
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
         # llguidance.torch has this call too, but importing it runs torch.compile (and imports inductor).
         job = self._worker.submit(self._executor.unsafe_compute_mask_ptr, pairs, host.data_ptr(),
                                   host.shape[1] * host.element_size(), len(rows))

@@ -24,6 +24,26 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted(buckets)
 
 
+def use_decode_graphs(device_type: str, attention_backend: str, enforce_eager: bool | None) -> tuple[bool, str]:
+    """Whether decode steps run through the graph path, and why. `attention_backend` is the resolved name.
+
+    Graphs are captured only where the forward can be: on CUDA with the triton backend. The torch backend
+    (kernels/reference.py) synchronizes with the host inside the forward (boolean masks, `.max()` read on
+    the host), which a CUDA graph capture refuses, so on CUDA it always runs eagerly, whatever
+    `enforce_eager` says. On a CPU nothing is captured: enforce_eager=False runs the same padded static
+    buffers eagerly (which keeps that path tested), None or True plain eager steps."""
+    if enforce_eager:
+        return False, "enforce_eager=True"
+    if device_type == "cuda":
+        if attention_backend != "triton":
+            return False, (f"the {attention_backend} attention backend synchronizes with the host, so its "
+                           "forward cannot be captured in a CUDA graph")
+        return True, "CUDA with the triton attention backend"
+    if enforce_eager is False:
+        return True, f"enforce_eager=False on {device_type} (padded buffers, run eagerly)"
+    return False, f"no CUDA graphs on {device_type}"
+
+
 class DecodeGraphs:
     def __init__(self, buckets: list[int], device: torch.device) -> None:
         self.buckets = sorted(buckets)

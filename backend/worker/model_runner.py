@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from itertools import pairwise
+from functools import partial
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -33,6 +34,22 @@ def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_l
     # ids, positions, slots; decode and prefill rows/lengths; logit rows; table updates (a step may rewrite
     # every scheduled row).
     return 3 * tokens + 8 * seqs + 1 + 2 * seqs * width
+
+
+def warm_up_prefills(max_prefill_tokens: int, max_model_len: int, max_num_seqs: int, cuda: bool) -> list[list[int]]:
+    """The prefill steps `ModelRunner.warm_up` runs, each as its sequences' lengths: on CUDA steps of 1, up to
+    64 and `max_prefill_tokens` tokens (on a CPU one token). A step is split into sequences of at most
+    `max_model_len` tokens, at most `max_num_seqs` of them, as the scheduler's steps are: one sequence longer
+    than `max_model_len` would need more block-table columns than a row has."""
+    sizes = {1, max(2, min(max_prefill_tokens, 64)), max_prefill_tokens} if cuda else {1}
+    capped = sorted({min(tokens, max_num_seqs * max_model_len) for tokens in sizes})
+    return [split_tokens(tokens, max_model_len) for tokens in capped]
+
+
+def split_tokens(tokens: int, max_len: int) -> list[int]:
+    """`tokens` as sequence lengths of at most `max_len` each (the last one shorter)."""
+    full, rest = divmod(tokens, max_len)
+    return [max_len] * full + ([rest] if rest else [])
 
 
 @dataclass
@@ -105,6 +122,8 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.block_tables = DeviceBlockTables(max_num_seqs, -(-max_model_len // block_size), device)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.staging = staging
         self.graphs = graphs
 
@@ -155,6 +174,10 @@ class ModelRunner:
         same offsets for every step of that bucket: padding rows write nothing and attend to one key of the
         zero block-table row)."""
         st, tables = self.staging, self.block_tables
+        for name, width in (("decode", host.decode_width), ("prefill", host.prefill_width)):
+            if width > tables.width:  # the table slice would silently give fewer columns than the kernels read
+                raise RuntimeError(f"a step's {name} rows need {width} block-table columns; a row has {tables.width} "
+                                 f"(max_model_len {self.max_model_len} / block_size {self.block_size})")
         pad = bucket or 0
         cu = host.prefill_cu_seqlens
         return PreparedStep(
@@ -195,8 +218,9 @@ class ModelRunner:
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Hidden states of the staged step's packed rows (what a decode graph captures)."""
         st = self.staging
-        return self.model(st.ints(step.input_ids), st.ints(step.positions), self.kv_caches,
-                          self.metadata(step), self.backend)
+        hidden: torch.Tensor = self.model(st.ints(step.input_ids), st.ints(step.positions), self.kv_caches,
+                                          self.metadata(step), self.backend)
+        return hidden
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -223,29 +247,30 @@ class ModelRunner:
             shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
                                 c.intermediate_size, self.model.cos_sin_cache.shape[-1], self.block_size,
                                 self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32,
-                                vocab_size=c.vocab_size)
+                                vocab_size=c.vocab_size, quantization=getattr(self.model, "quantization", None))
             warm_up_kernels(self.backend.ops, shape)
-        sizes = {1, max(2, min(max_prefill_tokens, 64)), max_prefill_tokens} if self.device.type == "cuda" else {1}
-        for tokens in sorted(sizes):
-            self.execute(self._dummy_step(num_decode=0, prefill_tokens=tokens))
-        self.execute(self._dummy_step(num_decode=1, prefill_tokens=2))
+        for prefill in warm_up_prefills(max_prefill_tokens, self.max_model_len, self.max_num_seqs,
+                                        self.device.type == "cuda"):
+            self.execute(self._dummy_step(num_decode=0, prefill=prefill))
+        self.execute(self._dummy_step(num_decode=1, prefill=split_tokens(2, self.max_model_len)))
         for bucket in sorted(self.graphs.buckets, reverse=True):  # largest first: later graphs reuse its pool
-            step = self._dummy_step(num_decode=0, prefill_tokens=0, bucket=bucket)  # all padding rows
-            self.graphs.capture(bucket, lambda step=step: self.forward(step))
+            step = self._dummy_step(num_decode=0, prefill=[], bucket=bucket)  # all padding rows
+            self.graphs.capture(bucket, partial(self.forward, step))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _dummy_step(self, num_decode: int, prefill_tokens: int, bucket: int | None = None) -> PreparedStep:
-        """A staged and uploaded step whose sequences all use the zero padding row and write nothing."""
+    def _dummy_step(self, num_decode: int, prefill: list[int], bucket: int | None = None) -> PreparedStep:
+        """A staged and uploaded step whose sequences (`num_decode` decode rows, then prefill sequences of the
+        `prefill` lengths) all use the zero padding row and write nothing."""
         pad_row = self.block_tables.padding_row
-        tokens = num_decode + prefill_tokens
-        prefill = [prefill_tokens] if prefill_tokens else []
+        tokens = num_decode + sum(prefill)
         host = HostStep(
             input_ids=[0] * tokens, positions=[0] * tokens, slots=[-1] * tokens,
             decode_rows=[pad_row] * num_decode, decode_seq_lens=[1] * num_decode, decode_width=min(num_decode, 1),
-            prefill_rows=[pad_row] * len(prefill), prefill_cu_seqlens=[0, *prefill], prefill_seq_lens=prefill,
-            prefill_width=-(-prefill_tokens // self.block_size), logit_rows=[tokens - 1] if tokens else [],
+            prefill_rows=[pad_row] * len(prefill), prefill_cu_seqlens=[0, *accumulate(prefill)],
+            prefill_seq_lens=list(prefill), prefill_width=-(-max(prefill, default=0) // self.block_size),
+            logit_rows=[tokens - 1] if tokens else [],
         )
         self.staging.begin()
         step = self._stage(host, bucket)

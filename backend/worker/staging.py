@@ -9,8 +9,10 @@ stored as their float32 bits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -44,7 +46,7 @@ class StagingBuffer:
         self.size = start + n
         return slice(start, start + n)
 
-    def put(self, values: Sequence[int] | np.ndarray, pad_to: int = 0, fill: int = 0) -> slice:
+    def put(self, values: Sequence[int] | npt.NDArray[np.integer[Any]], pad_to: int = 0, fill: int = 0) -> slice:
         """Append int values, padded with `fill` up to `pad_to` entries; returns where they went."""
         n = len(values)
         where = self._reserve(max(n, pad_to))

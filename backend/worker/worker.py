@@ -28,11 +28,12 @@ from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.decoding import StructuredDecoding
 from tritium.backend.testing.faults import FaultInjector
 from tritium.backend.worker.attention import get_attention_backend, resolve_backend_name
-from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets
+from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets, use_decode_graphs
 from tritium.backend.worker.device import set_up_device, use_device
 from tritium.backend.worker.kv_sizing import num_kv_blocks
 from tritium.backend.worker.model_runner import ModelRunner, step_input_slots
 from tritium.backend.worker.staging import StagingBuffer
+from tritium.backend.worker.threads import ThreadChoice, set_up_threads
 
 if TYPE_CHECKING:
     import llguidance
@@ -60,27 +61,33 @@ class Worker:
     run here: an unsupported checkpoint or head size, or a KV cache that cannot hold one `max_model_len`
     sequence."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler,
+                 served: bool = False) -> None:
         self.device = set_up_device(config)
+        # `served`: inside tritonserver, whose threads need cores too (threads.py); a CPU's thread count, or None
+        self.threads: ThreadChoice | None = set_up_threads(config.num_threads, served, self.device.type)
         self.dtype = config.torch_dtype(self.device)
         backend = get_attention_backend(config.attention_backend, self.device)
         # Before the weights load: a head size the attention backend cannot run is refused at once.
-        check_attention_backend(ModelConfig.from_folder(model_path),
-                                resolve_backend_name(config.attention_backend, self.device))
-        model = load_model(model_path, self.dtype, self.device, config.max_model_len)
+        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        check_attention_backend(ModelConfig.from_folder(model_path), backend_name)
+        model = load_model(model_path, self.dtype, self.device, config.max_model_len, config.quantization)
         self.model_config = model.config
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.num_blocks = num_kv_blocks(config, model, self.device, self.dtype, self.max_model_len)
         seqs = config.max_num_seqs
         slots = step_input_slots(seqs, config.max_num_batched_tokens, self.max_model_len, config.block_size)
         self.staging = StagingBuffer(slots + row_settings_slots(seqs), self.device)
-        use_graphs = not config.enforce_eager if config.enforce_eager is not None else self.device.type == "cuda"
+        use_graphs, why = use_decode_graphs(self.device.type, backend_name, config.enforce_eager)
+        if not use_graphs and self.device.type == "cuda":
+            log = logger.warning if config.enforce_eager is False else logger.info
+            log("decode CUDA graphs are off: %s; decode steps run eagerly", why)
         self.graphs = DecodeGraphs(graph_buckets(seqs) if use_graphs else [], self.device)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device, seqs,
                                   self.max_model_len, self.staging, self.graphs)
         self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=self.device)
         self.structured = StructuredDecoding(grammars, self.device, seqs)
-        self.faults = FaultInjector.from_env()
+        self.faults = FaultInjector.from_env()  # test-only: `check` per step here, `check_loop` in the serving loop
         self.warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
 
     def add_request(self, request_id: str, params: SamplingParams, matcher: llguidance.LLMatcher | None) -> None:

@@ -19,7 +19,9 @@ forward time) / steps, against the goal 1 ms + 15 us per running sequence. Write
 overhead.png.
 
 On a small CPU run it with nothing else busy: torch's intra-op threads make the forward pass many times
-slower when another process holds a core. OMP_NUM_THREADS (the server inherits it) sets them in both paths.
+slower when another process holds a core. OMP_NUM_THREADS (the server inherits it) sets them in both paths;
+without it the in-process engine uses every usable core and the served one leaves one to the server
+(backend/worker/threads.py).
 """
 
 from __future__ import annotations

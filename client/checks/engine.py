@@ -27,6 +27,7 @@ import tritium.kernels
 from tritium.backend import EngineConfig, LLMEngine, SamplingParams
 from tritium.backend.models.registry import resolve_model
 from tritium.client.bench.workload import random_token_prompts
+from tritium.client.checks.parity import PARITY_TOP_K, tokens_agree, top_ids
 from tritium.client.checks.report import FAIL, PASS, SKIP, Outcome
 
 GPU_MEMORY_UTILIZATION = 0.4
@@ -41,7 +42,6 @@ PARITY_PROMPTS = [
     "The history of the Roman Empire began",
     "Explain how a paged KV cache works in an LLM inference engine.",
 ]
-BF16_MIN_AGREEMENT = 16  # bf16 on a GPU: greedy paths may part after this many identical tokens (near ties)
 SYNC_MESSAGE = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says
 SYNC_BATCH, SYNC_STEPS = 32, 16
 TIMING_BATCH, TIMING_STEPS, PROFILED_STEPS = 64, 32, 16
@@ -92,23 +92,27 @@ def engine_config(smoke: bool) -> EngineConfig:
     return EngineConfig(model=None, device="cuda", gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> list[list[int]]:
-    """Each prompt's generated token ids, through the continuous batcher."""
+def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+             tag: str) -> list[tuple[list[int], list[dict[int, float]] | None]]:
+    """Each prompt's generated token ids and their logprobs (None unless `params.logprobs`), through the
+    continuous batcher."""
     ids = [f"gpu-check-{tag}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, None, params, prompt_token_ids=prompt)
-    final: dict[str, list[int]] = {}
+    final: dict[str, tuple[list[int], list[dict[int, float]] | None]] = {}
     while len(final) < len(ids) and engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished and out.request_id in ids:
                 if out.error:
                     raise RuntimeError(f"{out.request_id}: {out.error}")
-                final[out.request_id] = out.token_ids
+                final[out.request_id] = (out.token_ids, out.logprobs)
     return [final[i] for i in ids]
 
 
-def hf_greedy(prompts: list[list[int]], max_new_tokens: int, device: str, dtype: torch.dtype) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one at a time (stops at EOS like tritium)."""
+def hf_greedy(prompts: list[list[int]], max_new_tokens: int, device: str,
+              dtype: torch.dtype) -> list[tuple[list[int], list[set[int]]]]:
+    """transformers' greedy continuation of each prompt, one at a time (stops at EOS like tritium), with the
+    PARITY_TOP_K most likely token ids of its raw logits at each position."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=dtype).to(device).eval()
@@ -117,8 +121,10 @@ def hf_greedy(prompts: list[list[int]], max_new_tokens: int, device: str, dtype:
         ids = torch.tensor([prompt], device=device)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, temperature=None, top_p=None, top_k=None)
-        outs.append(out[0, len(prompt):].tolist())
+                                 do_sample=False, temperature=None, top_p=None, top_k=None,
+                                 output_logits=True, return_dict_in_generate=True)
+        topk = [set(step[0].float().topk(PARITY_TOP_K).indices.tolist()) for step in out.logits]
+        outs.append((out.sequences[0, len(prompt):].tolist(), topk))
     del model
     return outs
 
@@ -139,15 +145,21 @@ def check_parity(shared: SharedEngine, smoke: bool) -> Outcome:
     texts, max_tokens = (PARITY_PROMPTS[:2], 8) if smoke else (PARITY_PROMPTS, 32)
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), False) for t in texts]
-    ours = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens), "parity")
+    ours = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=PARITY_TOP_K),
+                    "parity")
     theirs = hf_greedy(prompts, max_tokens, str(engine.device), engine.dtype)
-    rows = [{"prompt": t[:40], "matching_prefix": matching_prefix(a, b), "tritium_tokens": len(a),
-             "transformers_tokens": len(b), "identical": a == b}
-            for t, a, b in zip(texts, ours, theirs, strict=True)]
-    identical = sum(r["identical"] for r in rows)
     exact = engine.dtype == torch.float32
-    rule = "all identical" if exact else f"identical, or first divergence after >= {BF16_MIN_AGREEMENT} tokens"
-    ok = all(r["identical"] or (not exact and r["matching_prefix"] >= BF16_MIN_AGREEMENT) for r in rows)
+    rows: list[dict[str, Any]] = []
+    for t, (a, a_logprobs), (b, b_topk) in zip(texts, ours, theirs, strict=True):
+        a_topk = [top_ids(lp) for lp in a_logprobs] if a_logprobs is not None else None
+        verdict = tokens_agree(a, b, a_topk, b_topk, exact)
+        rows.append({"prompt": t[:40], "matching_prefix": matching_prefix(a, b), "tritium_tokens": len(a),
+                     "transformers_tokens": len(b), "identical": a == b, "ok": verdict.ok,
+                     "verdict": verdict.reason})
+    identical = sum(r["identical"] for r in rows)
+    rule = ("all identical (float32)" if exact else
+            f"identical, or at the first divergence each side's token in the other's top-{PARITY_TOP_K}")
+    ok = all(r["ok"] for r in rows)
     dtype = str(engine.dtype).removeprefix("torch.")
     summary = (f"{identical}/{len(rows)} identical x {max_tokens} tokens on {engine.device.type} {dtype}; "
                f"matching prefixes {[r['matching_prefix'] for r in rows]} (pass: {rule})")

@@ -19,6 +19,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--quantization", default=None, choices=["int8"], help="with --local: int8 weight-only")
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("chat", help="chat with a running server, one user turn per line")
@@ -77,7 +78,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from tritium.backend import EngineConfig, LLMEngine, SamplingParams
 
     params = SamplingParams(**sampling_values(args))
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+                                      quantization=args.quantization))
     if args.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         engine.add_request("cli", None, params, prompt_token_ids=engine.tokenizer.encode(text, False))

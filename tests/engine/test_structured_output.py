@@ -175,7 +175,7 @@ def llm(default_model_path: Path) -> LLM:
 
 def _generate(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list:
     outs = llm.generate(prompts, params)
-    assert not llm.engine.requests and not llm.engine.structured.matchers
+    assert not llm.engine.requests and not llm.engine.worker.structured.matchers
     return outs
 
 

@@ -20,7 +20,8 @@ from tritium.kernels.decode_attention import SPLIT_CHOICES
 from tritium.kernels.token_bitmask import apply_token_bitmask
 
 KERNELS = {"store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel",
-           "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel", "token_bitmask_kernel"}
+           "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel", "token_bitmask_kernel",
+           "int8_gemm_kernel"}  # the W8A16 GEMM: the check builds every model shape as an int8 engine too
 DTYPES = ("fp16", "bf16", "fp32")
 ATTENTION = set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8)))  # dtype, head_dim, GQA group
 REDUCE = set(itertools.product(DTYPES, (64, 128), SPLIT_CHOICES))
@@ -40,6 +41,8 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
     assert smol == KERNELS
     bitmask = [r for r in mine if r["kernel"] == "token_bitmask_kernel"]
     assert len(bitmask) == 2  # int32 and int64 rows; fp32 logits of every vocabulary size (all multiples of 16)
+    int8 = {(r["dtype"], r["constexprs"]["BLOCK_M"]) for r in mine if r["kernel"] == "int8_gemm_kernel"}
+    assert int8 == {("fp16", 16), ("fp16", 64), ("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 32)}, int8
 
 
 def test_the_check_covers_kernels_dtypes_head_dims_groups_and_splits() -> None:

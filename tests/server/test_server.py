@@ -168,7 +168,8 @@ def test_two_versions_and_explicit_load_unload(tmp_path: Path, tiny_llama_path: 
         v2 = http_generate(served.http, body, version="2").json()
         assert (v1["model_version"], v2["model_version"]) == ("1", "2")
         assert v1["text_output"] != v2["text_output"]  # two different checkpoints
-        client = httpclient.InferenceServerClient(served.http.removeprefix("http://"))
+        client = httpclient.InferenceServerClient(served.http.removeprefix("http://"), connection_timeout=300,
+                                                 network_timeout=300)  # loading two engines on a busy host
         client.unload_model("tritium")
         deadline = time.monotonic() + 60
         while client.is_model_ready("tritium", "1") and time.monotonic() < deadline:

@@ -95,7 +95,7 @@ def test_the_graph_path_gives_the_eager_tokens(make_llm: Callable[..., LLM], ran
     texts = {}
     for eager in (True, False):
         llm = make_llm(str(random_llama), enforce_eager=eager, max_num_seqs=8)
-        assert bool(llm.engine.runner.graphs.buckets) == (not eager)
+        assert bool(llm.engine.worker.runner.graphs.buckets) == (not eager)
         texts[eager] = [o.token_ids for o in llm.generate(PROMPTS, _mixed_params())]
     assert texts[False] == texts[True]
 
@@ -135,7 +135,7 @@ def free_model_engine(random_llama: Path) -> Iterator[LLMEngine]:
     own host work."""
     engine = LLMEngine(EngineConfig(model=str(random_llama), max_num_seqs=8, enforce_eager=False))
     hidden = torch.zeros(1024, engine.model_config.hidden_size)
-    runner = engine.runner
+    runner = engine.worker.runner
     runner.forward = lambda step: hidden[: step.num_tokens]  # type: ignore[method-assign]
     yield engine
     for request_id in list(engine.requests):

@@ -1,0 +1,183 @@
+"""How many intra-op (OpenMP) threads a CPU engine runs: sized to the cores it may use and what runs beside it.
+
+The forward pass's OpenMP threads meet at a barrier in every parallel region, so one of them that loses its
+core to another thread stalls them all. In-process (`LLM`, offline) the engine has the host to itself and
+uses every usable core. Served (inside tritonserver) the server, the response thread and the tokenizer
+thread need a core too: the engine leaves them one on a host of up to `SMALL_HOST_CORES` cores, two above
+that, and never runs fewer than one thread. On the 2-core development VM the served engine made 0.42-0.44x
+its in-process throughput with two threads and 1.01-1.04x pinned to one core with one thread.
+
+Usable cores: the process's CPU affinity, capped by the cgroup CPU quota (v2 `cpu.max`, v1
+`cpu.cfs_quota_us` / `cpu.cfs_period_us`) rounded up. `num_threads` (EngineConfig / model.json) overrides
+the rule, and so does OMP_NUM_THREADS when num_threads is unset. The functions take their inputs (paths,
+affinity) as arguments so that other hosts can be simulated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SMALL_HOST_CORES = 8  # up to this many usable cores a served engine leaves one to the server; above, two
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Cores:
+    """The cores this process may use (`count`, at least 1) and where that comes from: the affinity mask's
+    size, and the cgroup quota in CPUs (None: no quota) with the file it was read from."""
+
+    count: int
+    affinity: int
+    quota: float | None = None
+    quota_source: str | None = None
+
+    def describe(self) -> str:
+        """`2 usable cores (affinity 2 CPUs, no cgroup CPU quota)` or with the quota and its file."""
+        quota = "no cgroup CPU quota" if self.quota is None else \
+            f"cgroup CPU quota {self.quota:g} CPUs from {self.quota_source}"
+        return f"{self.count} usable cores (affinity {self.affinity} CPUs, {quota})"
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The intra-op thread count and why, in words (logged)."""
+
+    count: int
+    reason: str
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """The CPUs a cgroup v2 `cpu.max` ("quota period", quota "max": none) allows; None when unlimited or
+    unreadable."""
+    parts = text.split()
+    if not parts or parts[0] == "max":
+        return None
+    try:
+        quota = int(parts[0])
+        period = int(parts[1]) if len(parts) > 1 else 100_000
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def parse_cfs(quota_text: str, period_text: str) -> float | None:
+    """The CPUs cgroup v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us` allow; None when unlimited (-1) or
+    unreadable."""
+    try:
+        quota, period = int(quota_text.strip()), int(period_text.strip())
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
+def _own_cgroup_dirs(root: Path, proc_cgroup: Path, v1_controller: str | None) -> list[Path]:
+    """The process's own cgroup folder under `root` and its ancestors (nearest first), from /proc/self/cgroup
+    (v2: the "0::" line; v1: the line naming `v1_controller`), then `root` itself."""
+    rel: str | None = None
+    for line in (_read(proc_cgroup) or "").splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if (v1_controller is None and hier == "0" and controllers == "") or \
+                (v1_controller is not None and v1_controller in controllers.split(",")):
+            rel = path
+            break
+    dirs: list[Path] = []
+    if rel:
+        here = root / rel.lstrip("/")
+        while here != root and root in here.parents:
+            dirs.append(here)
+            here = here.parent
+    return [*dirs, root]
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> tuple[float | None, str | None]:
+    """The tightest cgroup CPU quota over the process's cgroup and its ancestors, in CPUs, and the file it
+    came from; (None, None) without one. Reads cgroup v2 (`root/.../cpu.max`) and v1
+    (`root/cpu[,cpuacct]/.../cpu.cfs_quota_us` and `cpu.cfs_period_us`)."""
+    found: list[tuple[float, str]] = []
+    for folder in _own_cgroup_dirs(root, proc_cgroup, None):
+        text = _read(folder / "cpu.max")
+        if text is not None and (cpus := parse_cpu_max(text)) is not None:
+            found.append((cpus, str(folder / "cpu.max")))
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        base = root / mount
+        if not base.is_dir():
+            continue
+        for folder in _own_cgroup_dirs(base, proc_cgroup, "cpu"):
+            quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
+            if quota is not None and period is not None and (cpus := parse_cfs(quota, period)) is not None:
+                found.append((cpus, str(folder / "cpu.cfs_quota_us")))
+        break
+    if not found:
+        return None, None
+    cpus, source = min(found)
+    return cpus, source
+
+
+def usable_cores(affinity: set[int] | None = None, root: Path = CGROUP_ROOT,
+                 proc_cgroup: Path = PROC_SELF_CGROUP) -> Cores:
+    """The cores this process may use: its affinity mask (`affinity`, None: os.sched_getaffinity, else
+    os.cpu_count) capped by the cgroup CPU quota rounded up; at least 1."""
+    if affinity is None:
+        try:
+            affinity = os.sched_getaffinity(0)
+        except (AttributeError, OSError):  # not on Linux
+            affinity = set(range(os.cpu_count() or 1))
+    allowed = max(1, len(affinity))
+    quota, source = cgroup_cpu_quota(root, proc_cgroup)
+    count = allowed if quota is None else max(1, min(allowed, math.ceil(quota - 1e-9)))
+    return Cores(count, allowed, quota, source)
+
+
+def choose_threads(usable: int, served: bool, override: int | None = None,
+                   omp_num_threads: str | None = None) -> ThreadChoice:
+    """The intra-op thread count for an engine with `usable` cores: `override` (num_threads) when set, else
+    a valid OMP_NUM_THREADS (`omp_num_threads`), else every core in-process and, served, all but one on a
+    host of up to SMALL_HOST_CORES cores and all but two above (never fewer than 1)."""
+    if override is not None:
+        return ThreadChoice(override, "num_threads is set")
+    if omp_num_threads:
+        try:
+            omp = int(omp_num_threads.split(",")[0])
+        except ValueError:
+            omp = 0
+        if omp >= 1:
+            return ThreadChoice(omp, "OMP_NUM_THREADS is set")
+    usable = max(1, usable)
+    if not served:
+        return ThreadChoice(usable, "in-process: every usable core")
+    spare = 1 if usable <= SMALL_HOST_CORES else 2
+    count = max(1, usable - spare)
+    if count == usable:
+        return ThreadChoice(count, "served on a single core: one thread")
+    return ThreadChoice(count, f"served: {spare} core{'s' if spare > 1 else ''} left to tritonserver and the "
+                               "response and tokenizer threads")
+
+
+def set_up_threads(num_threads: int | None, served: bool, device_type: str) -> ThreadChoice | None:
+    """On a CPU: choose the intra-op thread count, set it (torch.set_num_threads) and log it; returns it with
+    why and the usable cores in `reason`. None, changing nothing, on another device (its kernels do not run on
+    these threads)."""
+    import torch
+
+    if device_type != "cpu":
+        return None
+    cores = usable_cores()
+    rule = choose_threads(cores.count, served, num_threads, os.environ.get("OMP_NUM_THREADS"))
+    torch.set_num_threads(rule.count)
+    choice = ThreadChoice(rule.count, f"{rule.reason}; {cores.describe()}")
+    logger.info("tritium engine: %d intra-op threads, %s", choice.count, choice.reason)
+    return choice
