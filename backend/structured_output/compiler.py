@@ -5,7 +5,9 @@ Compiling happens off the engine thread and off the tokenizer thread: the servin
 own request. Each compile has a time limit; a constraint llguidance cannot enforce fails with a ValueError
 naming what it refused ("Unimplemented keys: [\"not\"]"), and that verdict is cached too, so a client
 repeating a bad schema costs nothing. A compile that ran out of time is not a verdict: it is not cached, and
-when it finishes later its matcher is.
+when it finishes later its matcher is. The limit counts the compile's own CPU time, not the wall clock: on a
+busy host the low-priority compile threads get little CPU, and a constraint is refused for what it costs, not
+for how busy the host is (a wall-clock cap of MAX_WAIT_FACTOR times the limit still answers every request).
 
 The cache is bounded by bytes, not entries: a compiled matcher's memory grows with its source (measured at up
 to ~220 bytes per byte of schema for many optional properties; a few bytes per byte for enums), so each entry
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 COMPILE_WORKERS = 2
+MAX_WAIT_FACTOR = 6  # however busy the host, a request waits at most this many time limits for its compile
 COMPILE_NICE = 15  # below the tokenizer thread's 10: tokenizing a prompt is quicker and more urgent
 MATCHER_BYTES_PER_SOURCE_BYTE = 256
 MATCHER_BASE_BYTES = 64 << 10
@@ -82,6 +85,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
         self._cached_bytes = 0
         self._compiling: dict[StructuredOutput, list[CompileCallback]] = {}  # waiters of compiles under way
+        self._running: dict[StructuredOutput, tuple[int, float]] = {}  # a running compile's CPU clock and start
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="tritium-grammar",
                                         initializer=_lower_priority)
@@ -138,10 +142,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.stats.cache_hits += 1
             elif spec in self._compiling:  # the same constraint is being compiled: wait for that compile
-                self._compiling[spec].append(_once_within(self.timeout_s, spec, callback, self.stats))
+                self._compiling[spec].append(self._once_within(spec, callback))
                 return
             else:
-                self._compiling[spec] = [_once_within(self.timeout_s, spec, callback, self.stats)]
+                self._compiling[spec] = [self._once_within(spec, callback)]
         if entry is not None:
             _answer(callback, entry.value)
             return
@@ -150,16 +154,38 @@ class GrammarCompiler:
     def _compile_and_answer(self, spec: StructuredOutput) -> None:
         t0 = time.perf_counter()
         try:
-            value = _compile(self.ll_tokenizer, spec)
+            tokenizer = self.ll_tokenizer  # built once per engine: not counted against a request's limit
+            clock = _thread_cpu_clock()
+            if clock is not None:
+                with self._lock:
+                    self._running[spec] = (clock, time.clock_gettime(clock))
+            value = _compile(tokenizer, spec)
         except Exception as exc:  # llguidance failed in a way it does not report as a grammar error
             value = f"structured_output.{spec.kind} could not be compiled: {_summary(str(exc))}"
         with self._lock:
+            self._running.pop(spec, None)
             self.stats.compiled += 1
             self.stats.compile_s += time.perf_counter() - t0
             self._store(spec, value)
             waiters = self._compiling.pop(spec, [])
         for callback in waiters:
             _answer(callback, value)
+
+    def compile_cpu_s(self, spec: StructuredOutput) -> float | None:
+        """The CPU seconds the compile of `spec` has used so far; None while it waits for a thread (and where
+        threads have no CPU clock: then only the wall-clock cap applies)."""
+        with self._lock:
+            running = self._running.get(spec)
+        if running is None:
+            return None
+        clock, start = running
+        try:
+            return time.clock_gettime(clock) - start
+        except OSError:  # the thread finished meanwhile
+            return None
+
+    def _once_within(self, spec: StructuredOutput, callback: CompileCallback) -> CompileCallback:
+        return _once_within(self.timeout_s, spec, callback, self.stats, lambda: self.compile_cpu_s(spec))
 
     def _store(self, spec: StructuredOutput, value: llguidance.LLMatcher | str) -> None:
         """Cache `value` (lock held), evicting the least recently used entries beyond `cache_bytes`."""
@@ -201,32 +227,55 @@ def _answer(callback: CompileCallback, value: llguidance.LLMatcher | str) -> Non
         callback(value.deep_copy(), None)
 
 
-def _once_within(timeout_s: float, spec: StructuredOutput, callback: CompileCallback,
-                 stats: CompileStats) -> CompileCallback:
-    """`callback`, called once: by the compile, or with a time-limit refusal if `timeout_s` passes first."""
+def _thread_cpu_clock() -> int | None:
+    """This thread's CPU-time clock id (Linux and most Unixes), or None."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def _once_within(timeout_s: float, spec: StructuredOutput, callback: CompileCallback, stats: CompileStats,
+                 cpu_used: Callable[[], float | None]) -> CompileCallback:
+    """`callback`, called once: by the compile, or with a time-limit refusal once the compile has used
+    `timeout_s` of CPU (`cpu_used`; None: the compile has not started) or once MAX_WAIT_FACTOR times that has
+    passed on the wall clock."""
     lock = threading.Lock()
     # once -> timer -> expired -> once is a reference cycle; emptying `pending` on the first call lets the
     # callback (and the request it captures) go at once instead of at the next garbage collection.
     pending = [callback]
+    timers: list[threading.Timer] = []
+    started = time.monotonic()
+
+    def arm(delay_s: float) -> None:
+        timer = threading.Timer(delay_s, expired)
+        timer.daemon = True
+        timers[:] = [timer]
+        timer.start()
 
     def once(matcher: llguidance.LLMatcher | None, error: str | None) -> None:
         with lock:
             if not pending:
                 return
             answer = pending.pop()
-        timer.cancel()
+            timer = timers.pop() if timers else None
+        if timer is not None:
+            timer.cancel()
         answer(matcher, error)
 
     def expired() -> None:
+        used = cpu_used()
+        waited = time.monotonic() - started
         with lock:
             if not pending:
+                return
+            if waited < MAX_WAIT_FACTOR * timeout_s and (used is None or used < timeout_s):
+                arm(max(timeout_s - (used or 0.0), 0.25))  # not started, or the host is busy: it had less CPU
                 return
         stats.timeouts += 1
         once(None, f"structured_output.{spec.kind} did not compile within {timeout_s:g} s; simplify it")
 
-    timer = threading.Timer(timeout_s, expired)
-    timer.daemon = True
-    timer.start()
+    arm(timeout_s)
     return once
 
 

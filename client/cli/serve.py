@@ -48,6 +48,11 @@ def add_parser(subparsers: Any) -> None:
                    "a model whose engine fails is unloaded)")
     p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
     p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="serve the engine models with int8 weights (sets model.json's quantization in a copy of "
+                        "the repository)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="the engines' intra-op threads on a CPU (model.json's num_threads; default: sized to the host)")
     options.unsafe_no_auth(p)
     p.set_defaults(func=run)
 
@@ -94,8 +99,21 @@ def run(args: argparse.Namespace) -> int:
     if (refusal := open_bind_refusal(args.host, bool(args.api_key), args.unsafe_no_auth)) is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
+    repository = Path(args.model_repository).resolve()
+    overrides = {key: value for key, value in (("quantization", args.quantization), ("num_threads", args.num_threads))
+                 if value is not None}
+    if overrides:  # a copy of the repository with the engine models' settings changed; the original stays as it is
+        import tempfile
+
+        from tritium.client.triton.repository import copy_with_settings
+
+        copy = Path(tempfile.mkdtemp(prefix="tritium-repository-")) / "repository"
+        engines = [m.parent.parent.name for m in repository.glob("*/1/model.json")  # engine models, not codecs
+                   if "max_num_seqs" in json.loads(m.read_text(encoding="utf-8"))]
+        repository = copy_with_settings(copy, {name: overrides for name in engines}, source=repository)
+        print(f"serving a copy of the repository with {overrides} for {', '.join(sorted(engines))}", flush=True)
     server_options = ServerOptions(
-        model_repository=Path(args.model_repository).resolve(), host=args.host, http_port=args.http_port,
+        model_repository=repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
         admin_key=args.admin_key or None, model_control=args.model_control, load_models=args.load_model or [],
         log_verbose=args.log_verbose,
@@ -131,4 +149,8 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(0.25)
     print("stopping ...", flush=True)
     server.stop()
+    if overrides:
+        import shutil
+
+        shutil.rmtree(repository.parent, ignore_errors=True)
     return 0

@@ -68,6 +68,7 @@ def test_models_command_lists_the_default_and_local_folders(tmp_path: Path, defa
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out
 
 
+@pytest.mark.slow  # a CLI subprocess loading the default model
 def test_generate_command_streams_an_answer() -> None:
     cmd = [sys.executable, "-m", "tritium.client.cli", "generate", "--local", "--chat", "--temperature", "0",
            "--max-tokens", "12", "What is the capital of France?"]

@@ -32,6 +32,7 @@ def stream(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[RequestO
     return outputs, update_s
 
 
+@pytest.mark.slow  # 2,000 tokens on a random 2k-context model (~100 s)
 def test_a_2000_token_generation_streams_deltas_only(make_llm: Callable[..., LLM], long_context_model: Path) -> None:
     llm = make_llm(str(long_context_model), kv_cache_bytes=64 << 20)
     params = SamplingParams(max_tokens=2000, temperature=1.0, seed=7, ignore_eos=True, logprobs=1)

@@ -45,6 +45,7 @@ def smol_expected(default_model_path: Path, smol_prompts: list[list[int]]) -> li
     return hf_greedy(default_model_path, smol_prompts, 32)
 
 
+@pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_batched(make_llm: Callable[..., LLM], default_model_path: Path,
                                smol_prompts: list[list[int]], smol_expected: list[list[int]]) -> None:
     llm = make_llm(None, kv_cache_bytes=256 << 20, max_model_len=4096)
@@ -52,12 +53,14 @@ def test_default_model_batched(make_llm: Callable[..., LLM], default_model_path:
     assert any(len(e) == 32 for e in smol_expected)
 
 
+@pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_one_at_a_time(make_llm: Callable[..., LLM], smol_prompts: list[list[int]],
                                      smol_expected: list[list[int]]) -> None:
     llm = make_llm(None, kv_cache_bytes=64 << 20, max_model_len=1024, enable_prefix_caching=False)
     assert [generate_ids(llm, [p])[0] for p in smol_prompts] == smol_expected
 
 
+@pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_chunked_prefill(make_llm: Callable[..., LLM], smol_prompts: list[list[int]],
                                        smol_expected: list[list[int]]) -> None:
     llm = make_llm(None, kv_cache_bytes=64 << 20, max_model_len=1024, max_num_seqs=4,
@@ -66,6 +69,7 @@ def test_default_model_chunked_prefill(make_llm: Callable[..., LLM], smol_prompt
     assert llm.engine.stats.steps > 0
 
 
+@pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_preemption(make_llm: Callable[..., LLM], smol_prompts: list[list[int]],
                                   smol_expected: list[list[int]]) -> None:
     longest = max(len(p) for p in smol_prompts) + 32
@@ -77,6 +81,7 @@ def test_default_model_preemption(make_llm: Callable[..., LLM], smol_prompts: li
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_prefix_cache_hit(make_llm: Callable[..., LLM], default_model_path: Path,
                                         smol_prompts: list[list[int]], smol_expected: list[list[int]]) -> None:
     llm = make_llm(None, kv_cache_bytes=64 << 20, max_model_len=1024)

@@ -87,6 +87,7 @@ def test_load_model_refuses_unknown_scheme(tiny_llama_path: Path) -> None:
         load_model(tiny_llama_path, torch.float32, torch.device("cpu"), quantization="int4")
 
 
+@pytest.mark.slow  # greedy agreement and perplexity on the default model (~40 s)
 def test_int8_accuracy_against_fp32(make_llm: Callable[..., LLM], default_model_path: Path) -> None:
     """Greedy agreement over 8 prompts x 32 tokens and the perplexity of a fixed text, int8 against fp32."""
     ids = Tokenizer(default_model_path).encode(TEXT)

@@ -179,6 +179,7 @@ def _generate(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> lis
     return outs
 
 
+@pytest.mark.slow  # sampled constrained outputs on the default model (~25 s)
 def test_constrained_outputs_hold_and_end_when_the_grammar_is_complete(llm: LLM) -> None:
     prompts = ["Give me a person as JSON:", "Pick a number:", "Yes or no?", "Count:"]
     params = [SamplingParams(temperature=1.0, max_tokens=200, structured_output={"json": PERSON}),
