@@ -35,7 +35,7 @@ lint: $(VENV)/.installed
 	$(BIN)/mypy
 
 test: setup lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --junitxml=build/test-report.xml
 
 # The inner loop: no tritonserver, nothing slow (<= 3 minutes here).
 test-fast: setup
