@@ -50,7 +50,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool | None = None  # None: CUDA graphs for decode steps on CUDA, eager elsewhere
     # Structured output: the most bytes a request's schema, regex or grammar may have, and the bound of the
-    # compiled-grammar cache (entries charged by their estimated memory; see grammar_compiler.py).
+    # compiled-grammar cache (entries charged by their estimated memory; see structured_output/compiler.py).
     max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     # CPU intra-op (torch/OpenMP) threads; None: sized to the usable cores, one or two left free when served

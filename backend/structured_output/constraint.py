@@ -4,7 +4,7 @@ One of a JSON schema, any JSON object, a regex, a choice of strings or a Lark/GB
 the way vLLM does (`{"json": ...}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ...}`,
 `{"json_object": true}`, as a dict or as its JSON text). `from_value` refuses anything else with a ValueError
 naming the key. Whether the constraint can be enforced (a schema keyword llguidance does not implement, a
-regex that does not parse) is known only once compiled: `grammar_compiler.py`.
+regex that does not parse) is known only once compiled: `structured_output/compiler.py`.
 
 JSON is compact by default (no whitespace between tokens: fewer tokens, and a small model cannot wander off
 into blank lines); `disable_any_whitespace: false` allows JSON whitespace, `whitespace_pattern` sets it.

@@ -1,7 +1,7 @@
 """Structured output: what JSON-schema constrained decoding (llguidance) costs, in one run on the default model.
 
 1. Throughput at concurrency `num_requests` (32): the same requests submitted at once to one `LLM`, each
-   constrained to a schema of `sample_schemas.SCHEMAS` (cycled; a short chat prompt asking for JSON,
+   constrained to a schema of `bench.schemas.SCHEMAS` (cycled; a short chat prompt asking for JSON,
    temperature 1, a fixed seed per request, `output_len` as max_tokens), against two unconstrained baselines
    with the same prompts and seeds: "free" (the same max_tokens; the model stops at EOS or the cap, so its
    token count differs) and "matched" (ignore_eos, max_tokens = the constrained request's actual output
@@ -17,7 +17,7 @@
    constrained rows in mid-generation states, replaying the tokens the constrained runs produced (a row
    whose replay ends starts its schema over); and `reference.apply_token_bitmask` (the engine's CPU path)
    on a 32-row x vocab fp32 logits tensor.
-4. Coverage: which of SCHEMAS (and of `sample_schemas.UNSUPPORTED`) compile. When `import xgrammar`
+4. Coverage: which of SCHEMAS (and of `bench.schemas.UNSUPPORTED`) compile. When `import xgrammar`
    works (it is not a dependency), sections 2-4 again through xgrammar's own API on the same tokenizer
    (compact JSON like llguidance's default), so the report records what the choice of llguidance rests on.
 

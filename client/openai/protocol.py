@@ -2,7 +2,7 @@
 
 The sampling fields follow SamplingParams: the vLLM-style extensions (`VLLM_EXTRA_FIELDS`) are generated
 from its declared fields (type, default, bounds); OpenAI's own fields take their bounds from it too, except
-where OpenAI's rule is stricter (temperature at most 2). tests/test_serving_units.py checks that whatever
+where OpenAI's rule is stricter (temperature at most 2). tests/unit/test_serving_units.py checks that whatever
 these models accept, SamplingParams accepts.
 
 Structured output: OpenAI's `response_format`, vLLM's `guided_*` extras and its newer `structured_outputs`

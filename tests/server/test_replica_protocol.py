@@ -1,4 +1,4 @@
-"""The model-server protocol on the OpenAI endpoint (client/replica_protocol.py) against a real tritonserver:
+"""The model-server protocol on the OpenAI endpoint (client/openai/replica_routes.py) against a real tritonserver:
 health, model facts, load, vLLM-shaped tokenize/detokenize and render, `/metrics` with the `vllm:*` gauges
 moving under load, and the extra fields routers add to requests."""
 

@@ -160,7 +160,7 @@ def flag_values(args: list[str]) -> dict[str, str]:
 
 
 def exported_vllm_metrics() -> set[str]:
-    """The metric names `tritium openai` serves on /metrics (client/replica_load.py renders them)."""
+    """The metric names `tritium openai` serves on /metrics (client/cluster/replica_load.py renders them)."""
     text = vllm_metrics(EngineLoad(), "tritium")
     return {m.group(1) for line in text.splitlines() if (m := re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)", line))}
 
