@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -57,7 +58,7 @@ def parse_or_reject(pb_utils: Any, sender: Any, request_id: str, parse: Callable
     return None
 
 
-class TritonSink:
+class TritonSink(ABC):
     """Sends one request's responses; never touches the sender after the FINAL flag (calling
     is_cancelled() then crashes Triton). Subclasses implement `send_output`."""
 
@@ -66,9 +67,9 @@ class TritonSink:
         self.sender = sender
         self.final_sent = False
 
+    @abstractmethod
     def send_output(self, output: RequestOutput) -> None:
         """Send what `output` adds as this model's response (final when `output.finished`)."""
-        raise NotImplementedError
 
     def is_cancelled(self) -> bool:
         """Whether the client cancelled; False once the final response went (asking then crashes Triton)."""
