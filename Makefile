@@ -6,7 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup serve run test test-fast lint bench soak gpu-check gpu-check-smoke clean
+.PHONY: setup serve run test test-fast lint bench soak gpu-check gpu-check-smoke device-bundle \
+	emulated-image-check clean
 
 setup: $(VENV)/.installed
 	$(BIN)/tritium models --prepare
@@ -57,6 +58,16 @@ gpu-check: setup
 # The same steps on a CPU with tiny shapes (the Triton interpreter): checks the script itself.
 gpu-check-smoke: setup
 	TRITON_INTERPRET=1 $(BIN)/tritium gpu-check --smoke
+
+# Before a call on a lent GPU machine: what it needs beyond its image (wheels, the model's tokenizer) in build/device,
+# carried with the call; there `bash tools/device-check.sh` runs gpu-check (README, "GPU check").
+device-bundle: $(VENV)/.installed
+	$(BIN)/python -m tritium.client.checks.device_bundle prepare --dest build/device
+
+# That machine's image emulated (triton 3.6, numpy 2, transformers 5 in build/emulated): the device command's smoke
+# mode and the kernel compile check there (CI runs it after `make test`).
+emulated-image-check: $(VENV)/.installed
+	bash tools/emulated-image-check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,6 +17,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 128 << 10
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 << 20
+MAX_LORA_LIMIT = 256  # the bound of max_loras and max_lora_rank
 
 
 @dataclass
@@ -59,6 +60,13 @@ class EngineConfig:
     # Weight-only quantization of every linear layer and the logits head at load: "int8" (per output channel,
     # symmetric; models/quantization.py) or None (the weights stay in `dtype`).
     quantization: str | None = None
+    # LoRA adapters (backend/lora/): off unless enable_lora. max_loras adapters are resident on the device at
+    # once (slots; the others wait in host memory, least recently used evicted first), each of rank at most
+    # max_lora_rank; lora_modules {name: folder} are loaded at start.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -87,6 +95,23 @@ class EngineConfig:
             raise ValueError(f"num_threads must be an integer >= 1 (or null: sized to the host), "
                              f"got {self.num_threads!r}")
         check_quantization(self.quantization)
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LORA_LIMIT:
+                raise ValueError(f"{name} must be an integer in [1, {MAX_LORA_LIMIT}], got {value!r}")
+        modules = self.lora_modules
+        if modules is None:
+            return
+        if not isinstance(modules, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                    for k, v in modules.items()):
+            raise ValueError(f"lora_modules must map adapter names to folders ({{name: folder}}), got {modules!r}")
+        if modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora: true")
 
     def torch_device(self) -> torch.device:
         """The device `device` names; "auto" is CUDA when there is one, else the CPU."""

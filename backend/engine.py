@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from itertools import count
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tritium.backend.config import EngineConfig
@@ -13,6 +14,7 @@ from tritium.backend.core.block_manager import BlockManager
 from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.core.stop_checker import StopChecker
+from tritium.backend.lora.manager import LoraManager
 from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.output_processor import OutputProcessor
@@ -24,6 +26,8 @@ from tritium.backend.worker.worker import StepResult, Worker
 
 if TYPE_CHECKING:
     import llguidance
+
+    from tritium.backend.lora.adapter import LoraAdapter
 
 logger = logging.getLogger(__name__)
 MODEL_STEP_FAILED = "the model step failed"
@@ -74,9 +78,13 @@ class LLMEngine:
         self.max_model_len = self.worker.max_model_len
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
+        stacks = self.worker.lora_stacks
+        self.lora = LoraManager(stacks, self.model_config, self.dtype) if stacks is not None else None
+        for name, folder in (config.lora_modules or {}).items():
+            self.load_lora(name, folder)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            StopChecker(self.eos_token_ids),
+            StopChecker(self.eos_token_ids), self.lora,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -102,10 +110,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         matcher: llguidance.LLMatcher | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request (text `prompt` or `prompt_token_ids`). `matcher`: its structured output compiled
-        already (`compile_structured_output`); without it the grammar is compiled here. Raises ValueError
-        naming the field and the rule for a bad request; nothing is queued then."""
+        already (`compile_structured_output`); without it the grammar is compiled here. `lora_name`: the loaded
+        adapter it runs on (None: the base model). Raises ValueError naming the field and the rule for a bad
+        request (an unknown adapter: naming it); nothing is queued then."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -117,11 +127,42 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params)
+        adapter = self.lora_adapter(lora_name)
         self.worker.add_request(request_id, params, matcher)
-        seq = Sequence(request_id, prompt, ids, params, next(self._arrivals))
+        seq = Sequence(request_id, prompt, ids, params, next(self._arrivals), lora=adapter)
+        if adapter is not None:
+            assert self.lora is not None
+            self.lora.retain(adapter)
         self.outputs.add(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def lora_adapter(self, lora_name: str | None) -> LoraAdapter | None:
+        """The adapter loaded as `lora_name` (None for None). Raises ValueError naming an unknown adapter, or
+        saying that LoRA is off."""
+        if lora_name is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"lora_name {lora_name!r}: this engine serves no LoRA adapters (enable_lora is off)")
+        return self.lora.get(lora_name)
+
+    def load_lora(self, name: str, folder: str | Path) -> None:
+        """Load the PEFT adapter in `folder` as `name` (on the engine's thread, like `add_request`); requests may
+        name it from now on. Raises ValueError when LoRA is off, `name` is loaded already, or the adapter does
+        not fit the model (LoraAdapterError, naming what is wrong)."""
+        if self.lora is None:
+            raise ValueError(f"cannot load LoRA adapter {name!r}: enable_lora is off")
+        t0 = time.perf_counter()
+        adapter = self.lora.load(name, folder)
+        logger.info("loaded LoRA adapter %s (rank %d, %d modules, %.1f MiB) from %s in %.3f s", name, adapter.rank,
+                    len(adapter.weights), adapter.nbytes / 2**20, adapter.folder, time.perf_counter() - t0)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (on the engine's thread): later requests naming it are refused; accepted ones
+        finish on it first. Raises ValueError naming an unknown adapter (or when LoRA is off)."""
+        if self.lora is None:
+            raise ValueError(f"cannot unload LoRA adapter {name!r}: enable_lora is off")
+        self.lora.unload(name)
 
     def tokenize(self, prompt: str) -> list[int]:
         """The token ids of `prompt`; raises ValueError when it is empty or cannot fit the context (checked
@@ -237,5 +278,7 @@ class LLMEngine:
         the engine's and the worker's state of it."""
         if not seq.finished:
             self.scheduler.finish(seq, reason)
-        self.requests.pop(seq.request_id, None)
+        if self.requests.pop(seq.request_id, None) is not None and seq.lora is not None:
+            assert self.lora is not None
+            self.lora.drop(seq.lora)
         self.worker.release(seq.request_id)

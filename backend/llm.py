@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from itertools import count
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -20,7 +21,8 @@ class LLM:
     """Load a model and generate for batches of prompts through the continuous batcher.
 
     `model=None` is the embedded default (SmolLM2-135M-Instruct); otherwise a Hugging Face
-    Llama-family folder. Other keyword arguments are EngineConfig fields.
+    Llama-family folder. Other keyword arguments are EngineConfig fields (LoRA adapters: `enable_lora=True`,
+    `lora_modules={name: folder}`, then `lora_name=` per generate call).
     """
 
     def __init__(
@@ -48,10 +50,12 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_name: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        """Generate for every prompt (text or token ids); outputs come back in prompt order. `lora_name`: the
+        loaded adapter every prompt runs on, or one name (None: the base model) per prompt.
 
-        Raises ValueError for an invalid prompt or parameter before any request is queued."""
+        Raises ValueError for an invalid prompt, parameter or adapter name before any request is queued."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -63,14 +67,20 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if lora_name is None or isinstance(lora_name, str):
+            loras: list[str | None] = [lora_name] * len(prompts)
+        else:
+            loras = list(lora_name)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
                 if isinstance(prompt, str):
-                    self.engine.add_request(rid, prompt, p)
+                    self.engine.add_request(rid, prompt, p, lora_name=lora)
                 else:
-                    self.engine.add_request(rid, None, p, prompt_token_ids=list(prompt))
+                    self.engine.add_request(rid, None, p, prompt_token_ids=list(prompt), lora_name=lora)
                 added.append(rid)
         except ValueError:
             for rid in added:
@@ -78,6 +88,14 @@ class LLM:
             self.engine.step()
             raise
         return self._run(ids, use_tqdm)
+
+    def load_lora(self, name: str, folder: str | Path) -> None:
+        """Load the PEFT adapter in `folder` as `name` (needs enable_lora). Raises ValueError naming what is wrong."""
+        self.engine.load_lora(name, folder)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; requests running on it finish first. Raises ValueError naming an unknown one."""
+        self.engine.unload_lora(name)
 
     def chat(
         self,

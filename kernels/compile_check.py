@@ -1,16 +1,28 @@
 """Compile every kernel variant the engine launches for real NVIDIA targets without a GPU, and read ptxas'
-register/spill report.
+register/spill report and the shared memory each needs.
 
-`python -m tritium.kernels.compile_check [--arch 80 90] [--json] [--jobs N] [--kernel NAME ...]` calls the host
-wrappers with `tiles="gpu"` on the warm-up calls (kernels/warmup.py) of several model shapes (vocabulary
-sizes included) and dtypes, records each
-kernel launch instead of running it, and derives what the JIT would build from it on that GPU with
-Triton's own binder (signature, constexprs, the divisible-by-16 and equal-to-1 specialization, honouring
-`do_not_specialize`; num_warps, num_stages). Identical variants are compiled once (ASTSource +
-triton.compile for sm_80 / sm_90), then the ptxas shipped in the triton wheel runs with -v on the PTX.
-Exit status 1 if a variant fails to compile anywhere, or spills registers on sm_90 (sm_80 spills are
-reported). Must run without TRITON_INTERPRET: the interpreter replaces the JIT functions the compiler
-needs.
+`python -m tritium.kernels.compile_check [--arch 80 86 89 90] [--full] [--json] [--jobs N] [--kernel NAME ...]`
+calls the host wrappers with `tiles="gpu"` on the warm-up calls (kernels/warmup.py) of several model shapes
+(vocabulary sizes included), dtypes and block sizes, records each kernel launch instead of running it, and
+derives what the JIT would build from it on that GPU with Triton's own binder (signature, constexprs, the
+divisible-by-16 and equal-to-1 specialization, honouring `do_not_specialize`; num_warps, num_stages).
+Identical variants are compiled once (ASTSource + triton.compile), then the ptxas shipped in the triton wheel
+runs with -v on the PTX.
+
+Coverage (`coverage`): the eight MODELS (GQA 1/3/4/8, head_dim 64/128) in fp16, bf16 and fp32 at block size
+16; in bf16 also head_dim 32 and 256 (WIDE_MODELS) and block sizes 8-128 at head_dim 128; `--full` takes every
+model, dtype and block size, sm_86/sm_89 compiled too (1,832 variants: five times the compiles).
+
+Shared memory: each variant's `shared` (the compiled kernel's metadata: what the launch asks for) is compared
+with the architecture's opt-in maximum per block (SHARED_MEMORY_LIMIT). sm_86 and sm_89 lower like sm_80
+(same MMA and pipelining paths: identical variants need the same shared memory and registers), so their
+variants that equal an sm_80 one are not compiled again but take its figures (`derived_from`); one of them,
+the one needing the most shared memory, is compiled for real as a check of that, and `--full` compiles
+them all.
+
+Exit status 1 if a variant fails to compile anywhere, needs more shared memory than its architecture gives a
+block, or spills registers on sm_90 (other spills are reported). Must run without TRITON_INTERPRET: the
+interpreter replaces the JIT functions the compiler needs.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +49,18 @@ import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BLOCK_SIZE = 16
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_BLOCKS_PER_SEQ = 256
+ARCHS = (80, 86, 89, 90)
+# Opt-in shared memory per block, bytes (CUDA C++ Programming Guide, technical specifications per compute
+# capability: 163 KB, 99 KB, 99 KB, 227 KB); Triton asks for the opt-in when a kernel needs more than 48 KB.
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# Architectures Triton's NVIDIA backend lowers exactly like another one (the same MMA version and cp.async
+# pipelining; only limits differ): a variant identical but for the architecture needs the same shared memory.
+SAME_LOWERING = {86: 80, 89: 80}
+# Compile options that differ between those twins without changing these kernels: the target name, and the fp8
+# types (sm_89 adds fp8e4nv; no kernel here uses fp8).
+ARCH_OPTIONS = ("arch", "supported_fp8_dtypes")
 
 
 class ModelShape(NamedTuple):
@@ -70,6 +93,34 @@ MODELS = (
     ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 14336, 128, 128256),
     ModelShape("Qwen2.5-3B", 2048, 16, 2, 128, 11008, 128, 151936),
 )
+# head_dim 32 and 256 (a made-up GQA-4 shape with Llama-3.2-1B's other sizes; Gemma-2-9B's attention), compiled
+# in bf16 by default and in every dtype by --full.
+WIDE_MODELS = (
+    ModelShape("head_dim-32", 2048, 64, 16, 32, 8192, 32, 128256),
+    ModelShape("Gemma-2-9B", 3584, 16, 8, 256, 14336, 256, 256000),
+)
+# The model at which the default run compiles block sizes other than BLOCK_SIZE (in bf16): head_dim 128, GQA 4,
+# the attention tiles that need the most shared memory.
+BLOCK_SIZE_MODEL = MODELS[6]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine configuration whose warm-up launches the check records."""
+
+    model: ModelShape
+    dtype: str  # a key of DTYPES
+    block_size: int
+
+
+def coverage(full: bool = False) -> list[Case]:
+    """The engine configurations the check compiles: see the module docstring."""
+    if full:
+        return [Case(m, d, b) for b in BLOCK_SIZES for d in DTYPES for m in (*MODELS, *WIDE_MODELS)]
+    cases = [Case(m, d, BLOCK_SIZE) for d in DTYPES for m in MODELS]
+    cases += [Case(m, "bf16", BLOCK_SIZE) for m in WIDE_MODELS]
+    cases += [Case(BLOCK_SIZE_MODEL, "bf16", b) for b in BLOCK_SIZES if b != BLOCK_SIZE]
+    return cases
 
 
 @dataclass(frozen=True)
@@ -112,15 +163,21 @@ class CompileResult:
     num_warps: int
     num_stages: int
     models: list[str]
+    shared_limit: int
     ok: bool = False
     registers: int | None = None
     spill_stores: int | None = None
     spill_loads: int | None = None
+    shared: int | None = None  # bytes of shared memory a launch asks for
+    derived_from: int | None = None  # the architecture whose build gave these figures, when not compiled for this one
     error: str | None = None
 
     @property
     def failed(self) -> bool:
-        return not self.ok or bool(self.arch == 90 and (self.spill_stores or self.spill_loads))
+        """True when the variant did not compile, needs more shared memory than its architecture gives a block,
+        or spills on sm_90."""
+        over = self.shared is not None and self.shared > self.shared_limit
+        return not self.ok or over or bool(self.arch == 90 and (self.spill_stores or self.spill_loads))
 
 
 @contextlib.contextmanager
@@ -140,12 +197,13 @@ def recording(run: bool = False) -> Iterator[list[Launch]]:
         yield launches
 
 
-def record_calls(model: ModelShape, dtype: torch.dtype) -> list[Launch]:
-    """The kernel launches of the warm-up calls at `model` / `dtype`, made with tiles="gpu" on CPU tensors."""
+def record_calls(model: ModelShape, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> list[Launch]:
+    """The kernel launches of the warm-up calls at `model` / `dtype` / `block_size`, made with tiles="gpu" on CPU
+    tensors."""
     from tritium.kernels import triton_ops
     from tritium.kernels.warmup import warmup_calls
 
-    calls = warmup_calls(model.engine_shape(dtype, BLOCK_SIZE, MAX_BLOCKS_PER_SEQ))
+    calls = warmup_calls(model.engine_shape(dtype, block_size, MAX_BLOCKS_PER_SEQ))
     with recording() as launches:
         for call in calls:
             getattr(triton_ops, call.op)(*call.args, **call.kwargs, tiles="gpu")
@@ -216,9 +274,16 @@ def ptxas_report(ptx: str, arch: int, fp_fusion: bool = True) -> tuple[int, int,
     return parse_ptxas_log(proc.stdout + proc.stderr) or (-1, 0, 0)
 
 
-def compile_variant(variant: Variant) -> tuple[int, int, int]:
-    """Compile as the JIT would, for sm_`variant.arch`; returns ptxas' (registers, spill stores, spill loads)
-    from that build, or from a ptxas run on its PTX when the build came from Triton's cache."""
+class Build(NamedTuple):
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared: int  # bytes
+
+
+def compile_variant(variant: Variant) -> Build:
+    """Compile as the JIT would, for sm_`variant.arch`; returns ptxas' registers and spills from that build (or
+    from a ptxas run on its PTX when the build came from Triton's cache) and the shared memory it needs."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
@@ -230,29 +295,66 @@ def compile_variant(variant: Variant) -> tuple[int, int, int]:
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.nvidia.dump_ptxas_log = True
         kernel = compile(src, target=GPUTarget("cuda", variant.arch, 32), options=dict(variant.options))
-    return parse_ptxas_log(log.getvalue()) or ptxas_report(kernel.asm["ptx"], variant.arch,
-                                                           variant.option("enable_fp_fusion"))
+    report = parse_ptxas_log(log.getvalue()) or ptxas_report(kernel.asm["ptx"], variant.arch,
+                                                             variant.option("enable_fp_fusion"))
+    return Build(*report, int(kernel.metadata.shared))
 
 
-def collect(archs: list[int]) -> dict[Variant, CompileResult]:
-    """Every distinct variant the model shapes × dtypes launch, with its (not yet filled) result."""
+def collect(archs: Iterable[int], cases: Iterable[Case] | None = None) -> dict[Variant, CompileResult]:
+    """Every distinct variant the `cases` (default: `coverage()`) launch on each of `archs`, with its (not yet
+    filled) result."""
     found: dict[Variant, CompileResult] = {}
     specializers = [Specializer(arch) for arch in archs]
-    for dtype_name, dtype in DTYPES.items():
-        for model in MODELS:
-            for launch in record_calls(model, dtype):
-                for spec in specializers:
-                    v = spec.variant(launch)
-                    if v not in found:
-                        found[v] = CompileResult(
-                            v.kernel, v.arch, dtype_name, v.constexpr_values(), list(v.divisible_by_16),
-                            list(v.equal_to_1), v.option("num_warps"), v.option("num_stages"), [])
-                    if model.name not in found[v].models:
-                        found[v].models.append(model.name)
+    for case in coverage() if cases is None else cases:
+        for launch in record_calls(case.model, DTYPES[case.dtype], case.block_size):
+            for spec in specializers:
+                v = spec.variant(launch)
+                if v not in found:
+                    found[v] = CompileResult(
+                        v.kernel, v.arch, case.dtype, v.constexpr_values(), list(v.divisible_by_16),
+                        list(v.equal_to_1), v.option("num_warps"), v.option("num_stages"), [],
+                        SHARED_MEMORY_LIMIT.get(v.arch, 0))
+                if case.model.name not in found[v].models:
+                    found[v].models.append(case.model.name)
     return found
 
 
-def _compile(variant: Variant) -> tuple[tuple[int, int, int] | None, str | None]:
+def twin_key(variant: Variant) -> tuple[Any, ...]:
+    """What `variant` is apart from its architecture: equal for a variant and its twin on a SAME_LOWERING
+    architecture."""
+    options = tuple((k, v) for k, v in variant.options if k not in ARCH_OPTIONS)
+    return variant.module, variant.kernel, variant.signature, variant.constexprs, variant.attrs, options
+
+
+def derive(found: dict[Variant, CompileResult], arch: int, base: int) -> tuple[list[Variant], list[Variant]]:
+    """Split the `arch` variants of `found` into those to compile and those that equal a `base` variant but for
+    the architecture (their results are to be copied from it); the one of the latter whose base needs the most
+    shared memory is moved to the former, to check that the figures carry over (see `check_derived`)."""
+    mine = [v for v in found if v.arch == arch]
+    bases = {twin_key(v): v for v in found if v.arch == base}
+    derived = [v for v in mine if twin_key(v) in bases and found[bases[twin_key(v)]].shared is not None]
+    if derived:
+        probe = max(derived, key=lambda v: found[bases[twin_key(v)]].shared or 0)
+        derived.remove(probe)
+    return [v for v in mine if v not in derived], derived
+
+
+def check_derived(found: dict[Variant, CompileResult], arch: int, base: int) -> None:
+    """Fill the results of `arch` variants not compiled from their `base` twins; mark a compiled one whose shared
+    memory differs from its twin's as failed (the derivation would then not hold)."""
+    bases = {twin_key(v): v for v in found if v.arch == base}
+    for v in (v for v in found if v.arch == arch and twin_key(v) in bases):
+        mine, twin = found[v], found[bases[twin_key(v)]]
+        if not mine.ok and mine.error is None:
+            mine.ok, mine.registers, mine.error = twin.ok, twin.registers, twin.error
+            mine.spill_stores, mine.spill_loads, mine.shared = twin.spill_stores, twin.spill_loads, twin.shared
+            mine.derived_from = base
+        elif mine.ok and mine.shared != twin.shared:
+            mine.ok = False
+            mine.error = f"needs {mine.shared} B of shared memory where sm_{base} needs {twin.shared} B"
+
+
+def _compile(variant: Variant) -> tuple[Build | None, str | None]:
     try:
         return compile_variant(variant), None
     except Exception as exc:  # report every failure, keep going
@@ -260,20 +362,28 @@ def _compile(variant: Variant) -> tuple[tuple[int, int, int] | None, str | None]
         return None, f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def run_check(archs: list[int], jobs: int, kernels: list[str] | None = None) -> list[CompileResult]:
-    """Compile every variant (only those of `kernels`, kernel function names, if given)."""
-    found = collect(archs)
-    if kernels:
-        found = {v: r for v, r in found.items() if v.kernel in kernels}
-    variants = list(found)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        outcomes = list(pool.map(_compile, variants))
-    for variant, (report, error) in zip(variants, outcomes, strict=True):
+def _build(found: dict[Variant, CompileResult], variants: list[Variant], pool: ProcessPoolExecutor) -> None:
+    for variant, (build, error) in zip(variants, pool.map(_compile, variants), strict=True):
         result = found[variant]
-        if report is not None:
-            result.registers, result.spill_stores, result.spill_loads = report
+        if build is not None:
+            result.registers, result.spill_stores, result.spill_loads, result.shared = build
             result.ok = True
         result.error = error
+
+
+def run_check(archs: list[int], jobs: int, kernels: list[str] | None = None, full: bool = False) -> list[CompileResult]:
+    """Compile every variant of `coverage(full)` for `archs` (only those of `kernels`, kernel function names, if
+    given). Without `full`, an architecture of SAME_LOWERING whose twin is in `archs` is derived from it."""
+    found = collect(archs, coverage(full))
+    if kernels:
+        found = {v: r for v, r in found.items() if v.kernel in kernels}
+    twins = {} if full else {a: b for a, b in SAME_LOWERING.items() if a in archs and b in archs}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        _build(found, [v for v in found if v.arch not in twins], pool)
+        later = [derive(found, arch, base)[0] for arch, base in twins.items()]
+        _build(found, [v for vs in later for v in vs], pool)
+    for arch, base in twins.items():
+        check_derived(found, arch, base)
     return list(found.values())
 
 
@@ -283,7 +393,9 @@ def _short(constexprs: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=sorted(SHARED_MEMORY_LIMIT))
+    parser.add_argument("--full", action="store_true",
+                        help="every model, dtype and block size, and sm_86/sm_89 compiled rather than derived")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--kernel", nargs="+", metavar="NAME",
@@ -293,21 +405,24 @@ def main(argv: list[str] | None = None) -> int:
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPUs", file=sys.stderr)
         return 2
     start = time.monotonic()
-    results = run_check(args.arch, args.jobs, args.kernel)
+    results = run_check(args.arch, args.jobs, args.kernel, args.full)
     for r in results:
         if args.json:
             print(json.dumps(asdict(r)))
         else:
             status = "FAIL" if r.failed else ("spill" if r.spill_stores or r.spill_loads else "ok")
-            detail = r.error or f"{r.registers} regs, spills {r.spill_stores}/{r.spill_loads} B"
+            detail = r.error or (f"{r.registers} regs, spills {r.spill_stores}/{r.spill_loads} B, "
+                                 f"smem {r.shared}/{r.shared_limit} B" + (f" (as sm_{r.derived_from})"
+                                                                          if r.derived_from else ""))
             print(f"{status:5} sm_{r.arch} {r.kernel:25} {r.dtype:4} w{r.num_warps}s{r.num_stages} "
                   f"{_short(r.constexprs):58} {detail}")
     if not results:
         print(f"no variant of {args.kernel}", file=sys.stderr)
         return 2
     failed = sum(r.failed for r in results)
-    print(f"{len(results)} variants for sm_{'/sm_'.join(map(str, args.arch))} in {time.monotonic() - start:.0f} s, "
-          f"{failed} failed", file=sys.stderr)
+    derived = sum(r.derived_from is not None for r in results)
+    print(f"{len(results)} variants for sm_{'/sm_'.join(map(str, args.arch))} ({derived} derived, not compiled) in "
+          f"{time.monotonic() - start:.0f} s, {failed} failed", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -16,44 +16,58 @@ q/out/cache strides (multiples of head_dim, fixed for an engine) keep the JIT's 
 specialization, which gives vector loads and stores. The split count is always one of SPLIT_CHOICES, so
 the reduce kernel's SPLITS constexpr takes only those values (a `num_splits` override outside them
 compiles a variant of its own).
+
+The split count aims at two waves of programs on the device (its multiprocessor count, read from the
+device); the key tile, warps and stages come from the per-architecture table in kernels/decode_configs.py.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 
+from tritium.kernels.decode_configs import DecodeConfig, default_decode_config, tuned_decode_config
 from tritium.kernels.jit.decode_attention import decode_reduce_kernel, decode_split_kernel
 from tritium.kernels.tiles import use_gpu_tiles
 
 MIN_ROWS = 16
-TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100/H200
+WAVES = 2  # split programs per multiprocessor the split count aims at
+DEFAULT_SM_COUNT = 132  # an H100/H200's, for launches off a GPU (the interpreter, the compile check)
 MIN_KEYS_PER_SPLIT = 256
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 
 
-class DecodeConfig(NamedTuple):
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
 def decode_config(head_dim: int, dtype: torch.dtype, tiles: str = "gpu",
                   device: torch.device | str = "cuda") -> DecodeConfig:
-    """Launch configuration of the split kernel. On GPUs, K/V tiles of about 4K elements (2K in fp32)
-    keep registers in bounds; the interpreter gets 16-key tiles."""
+    """Launch configuration of the split kernel: on a CUDA device in fp16/bf16 what kernels/decode_configs.py
+    records for its architecture, else (and for an architecture it does not record) K/V tiles of about 4K
+    elements (2K in fp32), which keep registers in bounds; the interpreter gets 16-key tiles."""
     if not use_gpu_tiles(tiles, device):
         return DecodeConfig(16, 4, 2)
-    elems = 2048 if dtype == torch.float32 else 4096
-    return DecodeConfig(max(16, min(64, elems // head_dim)), 4, 2)
+    if torch.device(device).type == "cuda" and dtype != torch.float32:
+        tuned = tuned_decode_config(torch.cuda.get_device_capability(device), head_dim)
+        if tuned is not None:
+            return tuned
+    return default_decode_config(head_dim, dtype)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
+def multiprocessor_count(device: torch.device | str) -> int:
+    """The streaming multiprocessors of a CUDA `device`; DEFAULT_SM_COUNT for any other device."""
+    if torch.device(device).type != "cuda":
+        return DEFAULT_SM_COUNT
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def target_programs(sm_count: int) -> int:
+    """The split kernel's programs that fill `sm_count` multiprocessors WAVES times."""
+    return WAVES * max(1, sm_count)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int,
+                      sm_count: int = DEFAULT_SM_COUNT) -> int:
     """The largest of SPLIT_CHOICES that neither exceeds what brings num_seqs * num_kv_heads * splits to
-    TARGET_PROGRAMS nor leaves segments shorter than MIN_KEYS_PER_SPLIT keys."""
-    wanted = triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    target_programs(sm_count) nor leaves segments shorter than MIN_KEYS_PER_SPLIT keys."""
+    wanted = triton.cdiv(target_programs(sm_count), max(1, num_seqs * num_kv_heads))
     most = triton.cdiv(max_context, max(MIN_KEYS_PER_SPLIT, block_n))
     limit = max(1, min(wanted, most))
     return max(s for s in SPLIT_CHOICES if s <= limit)
@@ -68,11 +82,13 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     tiles: str = "auto",
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.decode_attention`. The split count is chosen for the block table's
-    width (no device sync) and each sequence spreads its own context over the splits; `num_splits`
-    overrides the choice (segments may then be shorter than MIN_KEYS_PER_SPLIT); `tiles` picks the launch
-    configuration (kernels/tiles.py). `q` may be a strided view (rows of a fused qkv output)."""
+    width and the device's multiprocessors (no device sync) and each sequence spreads its own context over
+    the splits; `num_splits` overrides the choice (segments may then be shorter than MIN_KEYS_PER_SPLIT);
+    `tiles` picks the launch configuration (kernels/tiles.py), `config` overrides it (gpu-check's sweep).
+    `q` may be a strided view (rows of a fused qkv output)."""
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -82,9 +98,10 @@ def decode_attention(
     page, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = max(MIN_ROWS, triton.next_power_of_2(group))
-    cfg = decode_config(head_dim, q.dtype, tiles, q.device)
+    cfg = config or decode_config(head_dim, q.dtype, tiles, q.device)
     max_context = block_tables.shape[1] * page
-    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_context, cfg.block_n)
+    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_context, cfg.block_n,
+                                             multiprocessor_count(q.device))
     partial_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     decode_split_kernel[(num_seqs, num_kv_heads, splits)](

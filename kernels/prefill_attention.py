@@ -5,8 +5,12 @@ Sequence i owns query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, the last positio
 prefix-cache hits. A program takes one KV head of one sequence and a tile of BLOCK_M rows, where a
 row is a (query position, query head of that KV head's group) pair, so `tl.dot` gets full tiles even
 for small GQA groups. Keys are visited tile by tile (online softmax, fp32 accumulation): tiles left
-of the diagonal need no mask, tiles past the last query position are never visited. The @triton.jit
-bodies are in kernels/jit/prefill_attention.py.
+of the diagonal need no mask, tiles past the last query position are never visited. The grid is
+(query tile slots, sequences, KV heads); the first axis is the one the GPU launches fastest, and
+`query_tile` maps its slots to each sequence's tiles from the last to the first: the last query tile of a
+causal sequence visits the most keys, so the longest programs start first and the short ones fill the tail
+(the mapping is a permutation of each sequence's tiles; the results are the same bits in any order). The
+@triton.jit bodies are in kernels/jit/prefill_attention.py.
 
 Specialization: the only int that changes from step to step, stride_bt (the block-table width, 1 for a
 one-block batch), is `do_not_specialize`; token and sequence counts live in the grid and in tensors. The

@@ -1,8 +1,10 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, ref counts, and prefix caching.
 
 A full block is identified by a chained hash of its tokens and its parent's hash, so equal
-prefixes map to equal blocks. Blocks whose ref count drops to 0 stay cached (hash kept) on an LRU
-free list and are only overwritten when a new block is needed; unhashed blocks are reused first.
+prefixes map to equal blocks; the first block's parent is the sequence's `cache_key` (b"" for the base
+model, a LoRA adapter's content hash), so KV computed with other weights never matches. Blocks whose ref
+count drops to 0 stay cached (hash kept) on an LRU free list and are only overwritten when a new block is
+needed; unhashed blocks are reused first.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         self.prefix_queried_tokens += seq.num_tokens
-        parent = b""
+        parent = seq.cache_key
         for i in range(max_blocks):
             h = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             block = self.cached.get(h)
@@ -100,7 +102,7 @@ class BlockManager:
         bs = self.block_size
         full = seq.num_computed_tokens // bs
         for i in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_key
             h = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
             block = seq.block_table[i]

@@ -5,6 +5,10 @@ and unfinished prefill chunks), then waiting ones are admitted while seats (`max
 budget and blocks last; a prompt longer than the remaining budget is split into chunks across
 steps. When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later (its prefix may still be cached).
+
+A sequence on a LoRA adapter is admitted only once its adapter has a device slot (`LoraManager.acquire`);
+until then it waits and the sequences behind it may go first. It holds the slot while it runs (preempted or
+finished: released), so a resident adapter in use is never evicted.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from tritium.backend.core.block_manager import BlockManager
 from tritium.backend.core.sequence import Sequence, SequenceStatus
 from tritium.backend.core.stop_checker import StopChecker
+from tritium.backend.lora.manager import LoraManager
 
 
 @dataclass
@@ -48,12 +53,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         stop_checker: StopChecker | None = None,
+        lora: LoraManager | None = None,
     ) -> None:
         self.blocks = block_manager
         self.stop_checker = stop_checker or StopChecker([])
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.lora = lora
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -89,26 +96,33 @@ class Scheduler:
             break
         if out.preempted:
             return self._with_sampling(out)
+        no_slot: list[Sequence] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if not self._acquire_adapter(seq):
+                no_slot.append(self.waiting.popleft())
+                continue
             if seq.num_computed_tokens == 0:
                 seq.num_cached_tokens = self.blocks.match_prefix(seq)
             num_new = seq.num_tokens - seq.num_computed_tokens
             if num_new > budget and not self.enable_chunked_prefill:
                 if self.running or out.scheduled:
                     self.blocks.free_sequence(seq)
+                    self._release_adapter(seq)
                     break
                 # Alone and still too long: let it through whole rather than never run it.
             else:
                 num_new = min(num_new, budget)
             if not self.blocks.allocate(seq, num_new):
                 self.blocks.free_sequence(seq)
+                self._release_adapter(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(no_slot))
         return self._with_sampling(out)
 
     @staticmethod
@@ -131,8 +145,26 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
 
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        """Whether `seq` may run as far as its adapter goes: it has none, or its adapter got a slot."""
+        if seq.lora is None or seq.lora_slot >= 0:
+            return True
+        assert self.lora is not None, "a sequence on a LoRA adapter needs the scheduler's LoraManager"
+        slot = self.lora.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora is not None and seq.lora_slot >= 0:
+            assert self.lora is not None
+            self.lora.release(seq.lora)
+            seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)
+        self._release_adapter(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -145,5 +177,6 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
+        self._release_adapter(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tritium.backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tritium.backend.lora.adapter import LoraAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -18,7 +22,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Token ids (prompt then output), how many of them have K/V in the cache, and the blocks holding them.
     `num_computed_tokens` goes back to 0 when the sequence is preempted. Text, logprobs and random
-    generators live elsewhere (output_processor.py, sampler.py)."""
+    generators live elsewhere (output_processor.py, sampler.py). `lora`: the adapter it runs on (None: the base
+    model); `lora_slot` its device slot while the sequence runs (-1 otherwise)."""
 
     request_id: str
     prompt: str | None
@@ -33,11 +38,19 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    lora: LoraAdapter | None = None
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def cache_key(self) -> bytes:
+        """What its first block's hash starts from: b"" for the base model, the adapter's content hash otherwise
+        (so KV computed with different weights is never shared)."""
+        return self.lora.content_hash if self.lora is not None else b""
 
     @property
     def num_tokens(self) -> int:

@@ -134,6 +134,6 @@ def load_model(
     model = model.to(device).eval()
     if quantization is not None:
         quantize_model(model, quantization)
-    elif device.type == "cpu" and dtype == torch.float32 and cpu_packing_available():
+    elif device.type == "cpu" and cpu_packing_available(dtype):
         model.pack_for_cpu()
     return model

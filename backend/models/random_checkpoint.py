@@ -4,6 +4,7 @@ benchmarks and tests can measure everything around it (scheduling, sampling, det
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -55,4 +56,66 @@ def write_random_llama(dest: Path, tokenizer_from: Path, num_layers: int = 2, hi
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, dest / name)
+    return dest
+
+
+LLAMA_8B_LIKE = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "intermediate_size": 14336}
+SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "tie_word_embeddings")
+CONFIG_FILES = ("generation_config.json", "chat_template.jinja")
+
+
+def write_random_like(dest: Path, source: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                      seed: int = 0, **shape: int | bool) -> Path:
+    """Write a Hugging Face Llama folder with `source`'s config.json and tokenizer but random weights, the shape
+    fields of `shape` (any of SHAPE_FIELDS) replacing the source's. Weights are drawn on `device` (a GPU draws
+    a billion in well under a second) with std 1/sqrt(fan-in), so activations keep their scale at any width;
+    norms are ones. Returns `dest`. Raises ValueError for a field outside SHAPE_FIELDS."""
+    unknown = set(shape) - set(SHAPE_FIELDS)
+    if unknown:
+        raise ValueError(f"not a shape field: {sorted(unknown)} (known: {', '.join(SHAPE_FIELDS)})")
+    config = json.loads((source / "config.json").read_text(encoding="utf-8")) | dict(shape)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inter, vocab = int(config["intermediate_size"]), int(config["vocab_size"])
+    config |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": head_dim,
+               "torch_dtype": str(dtype).removeprefix("torch.")}
+    config.pop("quantization_config", None)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        w = torch.randn(out_features, in_features, generator=g, device=device, dtype=torch.float32)
+        w.mul_(1.0 / math.sqrt(in_features))
+        return w.to(dtype).cpu()
+
+    ones = torch.ones(hidden, dtype=dtype)
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g, device=device).to(dtype).cpu(),
+               "model.norm.weight": ones}
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = linear(vocab, hidden)
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": linear(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": linear(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": linear(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": linear(inter, hidden),
+            p + "mlp.up_proj.weight": linear(inter, hidden),
+            p + "mlp.down_proj.weight": linear(hidden, inter),
+            p + "input_layernorm.weight": ones.clone(),
+            p + "post_attention_layernorm.weight": ones.clone(),
+        }
+        if config.get("attention_bias"):
+            tensors |= {p + "self_attn.q_proj.bias": torch.zeros(heads * head_dim, dtype=dtype),
+                        p + "self_attn.k_proj.bias": torch.zeros(kv_heads * head_dim, dtype=dtype),
+                        p + "self_attn.v_proj.bias": torch.zeros(kv_heads * head_dim, dtype=dtype)}
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    for name in TOKENIZER_FILES + CONFIG_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, dest / name)
     return dest

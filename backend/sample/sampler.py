@@ -7,7 +7,8 @@ from p; a seeded request draws its noise from its own generator so its text does
 is in the batch (the sampler keeps those generators by request id).
 
 Everything runs on the logits' device: the random rows' settings come staged with the step's other inputs
-(settings.py), and only the sampled ids (plus the logprobs asked for) come back to the host.
+(settings.py), and the sampled ids and the logprobs asked for come back to the host in one copy, the step's
+only wait for the device.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class Sampler:
     def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], settings: RowSettings | None,
                       masks: TokenMasks | None = None) -> SamplerOutput:
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+        asking = _index_on(want_logprobs, logits.device) if want_logprobs else None
+        raw_logprobs = logits.index_select(0, asking).log_softmax(dim=-1) if asking is not None else None
         logits = process_logits(logits, seqs, self.eos_token_ids, masks)
         # The row maximum is NaN if any logit is (max propagates NaN), +inf for a broken row and -inf when
         # every token is banned: a row whose maximum is not finite has no token to give.
@@ -122,34 +124,26 @@ class Sampler:
         if settings is not None:
             tokens.index_put_((settings.index,), self._draw(seqs, settings, logits.index_select(0, settings.index)))
         tokens = torch.where(torch.isfinite(best), tokens, -1)
-        token_list: list[int | None] = [t if t >= 0 else None for t in tokens.tolist()]  # the step's one fetch
+        top_n = max((seqs[r].params.logprobs or 0 for r in want_logprobs), default=0)
+        parts = [tokens.to(torch.float64)]
+        if raw_logprobs is not None and asking is not None:
+            parts.append(_logprob_table(raw_logprobs, tokens.index_select(0, asking), top_n).flatten())
+        fetched = torch.cat(parts).tolist()  # the step's one fetch: the sampled ids and the logprobs asked for
+        token_list: list[int | None] = [int(t) if t >= 0 else None for t in fetched[: len(seqs)]]
         errors: list[str | None] = [None if t is not None else NO_TOKEN for t in token_list]
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            self._fill_logprobs(logprobs, raw_logprobs, want_logprobs, token_list, seqs)
-        return SamplerOutput(token_list, logprobs, errors)
-
-    @staticmethod
-    def _fill_logprobs(logprobs: list[dict[int, float] | None], raw: torch.Tensor, rows: list[int],
-                       tokens: list[int | None], seqs: list[Sequence]) -> None:
-        """Each asking row's sampled token's logprob and its top-n, fetched in one copy."""
-        chosen = torch.tensor([tokens[r] or 0 for r in rows], dtype=torch.long).to(raw.device)
-        n = max(seqs[r].params.logprobs or 0 for r in rows)
-        parts = [raw.gather(1, chosen[:, None])]
-        if n:
-            top = raw.topk(n, dim=-1)
-            parts += [top.values, top.indices.to(raw.dtype)]
-        fetched = torch.cat(parts, dim=1).tolist()
-        for j, row in enumerate(rows):
-            token = tokens[row]
+        width = 1 + 2 * top_n
+        for j, row in enumerate(want_logprobs):
+            token = token_list[row]
             if token is None:
                 continue
-            values = fetched[j]
+            values = fetched[len(seqs) + j * width : len(seqs) + (j + 1) * width]
             entry = {token: values[0]}
             k = seqs[row].params.logprobs or 0
-            for lp, tid in zip(values[1 : 1 + k], values[1 + n : 1 + n + k], strict=True):
+            for lp, tid in zip(values[1 : 1 + k], values[1 + top_n : 1 + top_n + k], strict=True):
                 entry.setdefault(int(tid), lp)
             logprobs[row] = entry
+        return SamplerOutput(token_list, logprobs, errors)
 
     def _draw(self, seqs: list[Sequence], settings: RowSettings, logits: torch.Tensor) -> torch.Tensor:
         """A token per random row (`logits` holds those rows, in order): argmax(p / E), E exponential noise
@@ -162,3 +156,21 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         # A zero draw would turn a zero probability into NaN, which argmax picks.
         return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+
+
+def _index_on(rows: list[int], device: torch.device) -> torch.Tensor:
+    """`rows` as an int64 index on `device`, copied without waiting (indexing with a list would copy it and
+    wait for the device)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _logprob_table(raw: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:
+    """Per asking row (`raw`: their log-softmax; `tokens`: their sampled ids, -1 for none): the sampled token's
+    logprob, then the `top_n` highest logprobs and their token ids, as one float64 `[rows, 1 + 2 * top_n]`
+    tensor (float64 holds every token id exactly)."""
+    chosen = raw.gather(1, tokens.clamp(min=0)[:, None])
+    parts = [chosen.to(torch.float64)]
+    if top_n:
+        top = raw.topk(top_n, dim=-1)
+        parts += [top.values.to(torch.float64), top.indices.to(torch.float64)]
+    return torch.cat(parts, dim=1)

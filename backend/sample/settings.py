@@ -121,6 +121,7 @@ def row_settings_on(device: torch.device, seqs: list[Sequence]) -> RowSettings |
     host = HostRowSettings.of(seqs)
     if not host.rows:
         return None
-    values = {s.name: torch.tensor(host.values[s.name], dtype=torch.float32 if s.is_float else torch.int32).to(device)
-              for s in ROW_SETTINGS}
-    return RowSettings(host.rows, torch.tensor(host.rows, dtype=torch.int32).to(device), values, host.used)
+    values = {s.name: torch.tensor(host.values[s.name], dtype=torch.float32 if s.is_float else torch.int32).to(
+              device, non_blocking=True) for s in ROW_SETTINGS}
+    index = torch.tensor(host.rows, dtype=torch.int32).to(device, non_blocking=True)
+    return RowSettings(host.rows, index, values, host.used)

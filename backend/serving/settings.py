@@ -51,5 +51,16 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
     model = raw.get("model")
     if model and not Path(model).expanduser().is_absolute() and (version_dir / model).exists():
         raw["model"] = str((version_dir / model).resolve())
+    modules = raw.get("lora_modules")
+    if isinstance(modules, dict):  # adapter folders, like the model's, may be relative to the version folder
+        raw["lora_modules"] = {name: _beside(version_dir, folder) for name, folder in modules.items()}
     return ServingSettings(EngineConfig(**raw), float(timeout) if timeout is not None else None, max_pending,
                            stream_interval, max_stream_interval)
+
+
+def _beside(version_dir: Path, folder: object) -> object:
+    """`folder` resolved against `version_dir` when it is a relative path that exists there (else as it is)."""
+    if isinstance(folder, str) and folder and not Path(folder).expanduser().is_absolute() \
+            and (version_dir / folder).exists():
+        return str((version_dir / folder).resolve())
+    return folder

@@ -3,13 +3,23 @@
 A decode step of n sequences runs padded to the smallest bucket >= n. Its inputs sit at fixed places of
 the staging buffer for that bucket, so replaying the captured graph reads them. On a CPU nothing is
 captured: `run` calls the same forward on the same padded buffers, which keeps that path tested without a
-GPU.
+GPU. Every bucket warms up and is captured on one side stream, into one graph memory pool (GraphCapture).
+
+Steps that mix decode rows with prefill chunks run eagerly, decode rows included. Running the decode rows
+through their bucket's graph and the prefill rows eagerly would not save the eager launches: a forward pass
+launches its ~330 kernels per layer op, not per row, so the prefill part alone launches as many as the whole
+mixed step does now, plus the graph; every weight matrix would be read twice (the graph's GEMMs and the
+prefill's); and the decode rows would have to be staged at their bucket's offsets apart from the prefill
+rows. What would cut a mixed step's host time is capturing the forward pass around attention per token
+count (piecewise graphs, as vLLM does). gpu-check's step timing (client/checks/engine.py) measures a mixed
+step's host time, GPU time and launches next to a decode step's, which says what that would gain.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,12 +54,44 @@ def use_decode_graphs(device_type: str, attention_backend: str, enforce_eager: b
     return False, f"no CUDA graphs on {device_type}"
 
 
+class GraphCapture:
+    """Captures decode graphs on CUDA: every bucket warms up and is captured on one side stream (each stream
+    gets a cuBLAS workspace of its own, so a stream per bucket would cost a workspace per bucket) into one
+    graph memory pool (the buckets run one at a time, so their intermediates can share it). `cuda` is the
+    torch.cuda namespace; a test may pass a stand-in with the same calls to check the structure on a CPU."""
+
+    def __init__(self, device: torch.device, cuda: Any = torch.cuda) -> None:
+        self.device = device
+        self.cuda = cuda
+        self.stream = cuda.Stream(device)
+        self.pool = cuda.graph_pool_handle()
+
+    def capture(self, forward: Forward) -> tuple[Callable[[], None], torch.Tensor]:
+        """Run `forward` once on the capture stream (compiling every kernel it launches and giving cuBLAS its
+        workspace there), then capture it. Returns the graph's replay and the output tensor it writes."""
+        cuda, stream = self.cuda, self.stream
+        stream.wait_stream(cuda.current_stream(self.device))  # warm up off the default stream (torch docs)
+        with cuda.stream(stream):
+            forward()
+        cuda.current_stream(self.device).wait_stream(stream)
+        cuda.synchronize(self.device)
+        graph = cuda.CUDAGraph()
+        with cuda.graph(graph, pool=self.pool, stream=stream):
+            out = forward()
+        return graph.replay, out
+
+
 class DecodeGraphs:
-    def __init__(self, buckets: list[int], device: torch.device) -> None:
+    """The decode buckets and, on CUDA, their captured graphs. `capture`: how graphs are captured (built for
+    `device` when None; on a CPU nothing is captured)."""
+
+    def __init__(self, buckets: list[int], device: torch.device, capture: GraphCapture | None = None) -> None:
         self.buckets = sorted(buckets)
         self.device = device
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and buckets else None
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        if capture is None and device.type == "cuda" and buckets:
+            capture = GraphCapture(device)
+        self._capture = capture
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The bucket a decode step of `num_seqs` sequences pads to; None: run it eagerly."""
@@ -57,26 +99,18 @@ class DecodeGraphs:
         return self.buckets[i] if num_seqs and i < len(self.buckets) else None
 
     def capture(self, bucket: int, forward: Forward) -> None:
-        """Run `forward` once (compiling every kernel it launches), then on CUDA capture it for `bucket`."""
-        if self.device.type != "cuda":
+        """Run `forward` once (compiling every kernel it launches), then, where graphs are captured, capture it
+        for `bucket`."""
+        if self._capture is None:
             forward()
             return
-        side = torch.cuda.Stream(self.device)  # warm up off the default stream, as capture will run (torch docs)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = forward()
-        self._graphs[bucket] = (graph, out)
+        self._graphs[bucket] = self._capture.capture(forward)
 
     def run(self, bucket: int, forward: Forward) -> torch.Tensor:
         """The hidden states of the bucket's padded rows: a graph replay on CUDA, `forward()` elsewhere."""
         captured = self._graphs.get(bucket)
         if captured is None:
             return forward()
-        graph, out = captured
-        graph.replay()
+        replay, out = captured
+        replay()
         return out

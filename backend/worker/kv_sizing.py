@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.worker.memory_budget import (
+    MemoryPlan,
     check_fits_one_sequence,
     check_free_memory,
-    estimate_activation_bytes,
-    kv_cache_budget,
     module_bytes,
+    plan_memory,
 )
 
 
@@ -22,24 +24,33 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class KvSizing:
+    """The KV cache's blocks and, when sized from a CUDA device's share, the memory plan behind them."""
+
+    num_blocks: int
+    plan: MemoryPlan | None
+
+
 def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
-                  max_model_len: int) -> int:
+                  max_model_len: int, largest_graph_bucket: int = 0) -> KvSizing:
     """KV blocks for this engine: `kv_cache_bytes` when set, else 1 GiB on a CPU and on CUDA its share
-    (`gpu_memory_utilization`) of the device less weights, activations and overhead. Call it with the weights
-    loaded and nothing else allocated yet. Raises ValueError (numbers in it) when that cannot hold one
-    sequence of `max_model_len` tokens, or the share does not fit what the device has free."""
+    (`gpu_memory_utilization`) of the device less weights, activations, the decode graphs' pool (of
+    `largest_graph_bucket` rows; 0: no graphs), the sampler's temporaries and overhead (memory_budget.py).
+    Call it with the weights loaded and nothing else allocated yet. Raises ValueError (numbers in it) when that
+    cannot hold one sequence of `max_model_len` tokens, or the share does not fit what the device has free."""
     per_block = kv_bytes_per_block(model, config.block_size, dtype)
     weights = module_bytes(model)
     budget = config.kv_cache_bytes
+    plan = None
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        activations = estimate_activation_bytes(
-            model.config, config.max_num_batched_tokens, config.max_num_seqs, dtype.itemsize
-        )
-        budget = kv_cache_budget(total, config.gpu_memory_utilization, weights, activations)
-        check_free_memory(budget, activations, free, config.gpu_memory_utilization)
+        plan = plan_memory(model.config, total, config.gpu_memory_utilization, weights,
+                           config.max_num_batched_tokens, config.max_num_seqs, largest_graph_bucket, dtype.itemsize)
+        budget = plan.kv_cache
+        check_free_memory(budget, plan.torch_bytes - weights - budget, free, config.gpu_memory_utilization)
     elif budget is None:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // per_block
     check_fits_one_sequence(num_blocks, config.block_size, per_block, max_model_len, weights)
-    return num_blocks
+    return KvSizing(num_blocks, plan)

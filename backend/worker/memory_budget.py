@@ -3,15 +3,22 @@
 On CUDA an engine may use `gpu_memory_utilization` x the device's total memory, everything included,
 so several engines (several models in one tritonserver) can share a GPU by giving each a fraction:
 
-    KV budget = gpu_memory_utilization x total - weights - activations - CUDA overhead
+    KV budget = gpu_memory_utilization x total - weights - activations - graph pool - sampler - CUDA overhead
 
-where activations is the peak memory of one forward pass of max_num_batched_tokens tokens
-(estimate_activation_bytes) and the overhead is the CUDA context, cuBLAS workspaces and compiled
-kernels, which torch does not count. Whatever the budget, the cache must hold one sequence of
-max_model_len tokens, or the engine refuses to start.
+where activations is the peak memory of one eager forward pass of max_num_batched_tokens tokens
+(estimate_activation_bytes); the graph pool is the decode CUDA graphs' private memory pool, which eager
+steps cannot reuse: the intermediates of the largest bucket's forward pass (the buckets share one pool)
+and the cuBLAS workspace of the one capture stream (estimate_graph_pool_bytes); the sampler is the
+temporaries of top-k / top-p over max_num_seqs rows of the vocabulary (estimate_sampler_bytes); the
+overhead is the CUDA context, the default stream's cuBLAS workspace and compiled kernels, which torch does
+not count. Whatever the budget, the cache must hold one sequence of max_model_len tokens, or the engine
+refuses to start. `plan_memory` puts the terms together (`MemoryPlan`); gpu-check sets torch's reserved
+memory against the plan's `torch_bytes`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +28,12 @@ MiB = 1 << 20
 GiB = 1 << 30
 CUDA_OVERHEAD_BYTES = 768 * MiB
 ACTIVATION_SAFETY_FACTOR = 2  # temporaries, the caching allocator's rounding and fragmentation
+CAPTURE_STREAM_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace on the graph capture stream (torch's Hopper size)
+# Live bytes per (row, vocabulary entry) at the peak of sampling the random rows with top-k / top-p: the
+# gathered and temperature-scaled logits (4 + 4), the sort's values and int64 order (12) and its scratch,
+# the masked copies, softmax, cumulative sum and exclusive sum (4 each), the mask (1) and the scattered
+# result (4), plus the noise and probabilities of the draw; rounded up.
+SAMPLER_BYTES_PER_LOGIT = 64
 
 
 def _gib(n: float) -> str:
@@ -35,8 +48,9 @@ def kv_cache_budget(
     total_bytes: int, gpu_memory_utilization: float, weight_bytes: int, activation_bytes: int,
     overhead_bytes: int = CUDA_OVERHEAD_BYTES,
 ) -> int:
-    """Bytes left for the KV cache out of `gpu_memory_utilization` x `total_bytes`. Raises ValueError
-    (with the numbers) when the weights, activations and overhead alone do not fit that share."""
+    """Bytes left for the KV cache out of `gpu_memory_utilization` x `total_bytes`; `activation_bytes` is
+    everything a step allocates (see plan_memory). Raises ValueError (with the numbers) when the weights,
+    activations and overhead alone do not fit that share."""
     share = int(gpu_memory_utilization * total_bytes)
     budget = share - weight_bytes - activation_bytes - overhead_bytes
     if budget <= 0:
@@ -91,6 +105,55 @@ def estimate_activation_bytes(config: ModelConfig, num_tokens: int, num_logit_ro
     per_token = 4 * h + 2 * qkv + config.num_attention_heads * config.head_dim + 3 * inter
     logits = num_logit_rows * config.vocab_size * (dtype_bytes + 4)
     return ACTIVATION_SAFETY_FACTOR * (num_tokens * per_token * dtype_bytes + logits)
+
+
+def estimate_graph_pool_bytes(config: ModelConfig, largest_bucket: int, dtype_bytes: int) -> int:
+    """The decode graphs' memory pool: the buckets are captured largest first into one pool, which then holds
+    the intermediates of the largest bucket's forward pass (no logits: they are computed after the graph), plus
+    the capture stream's cuBLAS workspace. 0 without graphs (`largest_bucket` 0)."""
+    if largest_bucket <= 0:
+        return 0
+    return estimate_activation_bytes(config, largest_bucket, 0, dtype_bytes) + CAPTURE_STREAM_WORKSPACE_BYTES
+
+
+def estimate_sampler_bytes(num_rows: int, vocab_size: int) -> int:
+    """Peak temporaries of sampling `num_rows` random rows over `vocab_size` tokens with top-k / top-p."""
+    return num_rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """An engine's memory on CUDA, in bytes: its share of the device and what the share is spent on."""
+
+    total: int
+    share: int  # gpu_memory_utilization x total
+    weights: int
+    activations: int  # one eager forward pass of max_num_batched_tokens tokens
+    graph_pool: int  # the decode graphs' pool (0 without graphs)
+    sampler: int  # top-k / top-p temporaries of max_num_seqs rows
+    overhead: int  # what torch does not count: CUDA context, kernels, the default stream's cuBLAS workspace
+    kv_cache: int  # the budget left for the KV cache
+
+    @property
+    def torch_bytes(self) -> int:
+        """What torch's caching allocator is expected to reserve at most: everything but the overhead."""
+        return self.weights + self.kv_cache + self.activations + self.graph_pool + self.sampler
+
+
+def plan_memory(
+    config: ModelConfig, total_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
+    max_num_batched_tokens: int, max_num_seqs: int, largest_graph_bucket: int, dtype_bytes: int,
+    overhead_bytes: int = CUDA_OVERHEAD_BYTES,
+) -> MemoryPlan:
+    """The KV budget of an engine on a device of `total_bytes` (`largest_graph_bucket` 0: no decode graphs),
+    every term estimated. Raises ValueError (kv_cache_budget's) when the terms alone exceed the share."""
+    activations = estimate_activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+    graph_pool = estimate_graph_pool_bytes(config, largest_graph_bucket, dtype_bytes)
+    sampler = estimate_sampler_bytes(max_num_seqs, config.vocab_size)
+    kv = kv_cache_budget(total_bytes, gpu_memory_utilization, weight_bytes, activations + graph_pool + sampler,
+                         overhead_bytes)
+    return MemoryPlan(total_bytes, int(gpu_memory_utilization * total_bytes), weight_bytes, activations,
+                      graph_pool, sampler, overhead_bytes, kv)
 
 
 def module_bytes(module: torch.nn.Module) -> int:

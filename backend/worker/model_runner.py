@@ -5,6 +5,10 @@ tables (block_tables.py: incremental). Decode-only steps of up to `max_num_seqs`
 batch-size bucket on fixed views of the staging buffer, so that on CUDA a graph captured per bucket at start
 replays them (decode_graphs.py); mixed and prefill steps run eagerly. The worker (worker.py) owns the staging
 buffer and the graphs and hands them to the runner.
+
+With LoRA on (`lora_stacks`), a step with adapter rows also stages those rows grouped by slot (lora/ops.py) and
+runs eagerly, decode-only steps included: the decode graphs are captured without adapters (on CUDA such steps
+give up the graph replay; see issue 24's kernels for capturing them). Base-only steps are unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from itertools import accumulate, pairwise
 import torch
 
 from tritium.backend.core.scheduler import ScheduledSequence
+from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups
+from tritium.backend.lora.weights import LoraBatch, LoraStacks
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.worker.block_tables import DeviceBlockTables
@@ -26,14 +32,15 @@ from tritium.kernels.warmup import EngineShape
 from tritium.kernels.warmup import warm_up as warm_up_kernels
 
 
-def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int) -> int:
-    """The staging-buffer slots the runner's inputs of one step take at most."""
+def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
+                     lora: bool = False) -> int:
+    """The staging-buffer slots the runner's inputs of one step take at most (`lora`: with a slot per row)."""
     width = -(-max_model_len // block_size)
     # A step carries at most max_num_batched_tokens, or one whole prompt when chunked prefill is off.
     seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs, max_model_len)
-    # ids, positions, slots; decode and prefill rows/lengths; logit rows; table updates (a step may rewrite
-    # every scheduled row).
-    return 3 * tokens + 8 * seqs + 1 + 2 * seqs * width
+    # ids, positions, slots (and LoRA slots); decode and prefill rows/lengths; logit rows; table updates (a step
+    # may rewrite every scheduled row).
+    return (4 if lora else 3) * tokens + 8 * seqs + 1 + 2 * seqs * width
 
 
 def warm_up_prefills(max_prefill_tokens: int, max_model_len: int, max_num_seqs: int, cuda: bool) -> list[list[int]]:
@@ -69,6 +76,7 @@ class HostStep:
     logit_rows: list[int] = field(default_factory=list)
     update_index: list[int] = field(default_factory=list)  # block-table entries to write (flat index, block)
     update_value: list[int] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # per row (LoRA on only): adapter slot, -1 for base
 
 
 @dataclass
@@ -93,6 +101,8 @@ class PreparedStep:
     update_index: slice
     update_value: slice
     bucket: int | None = None  # the decode graph this step replays
+    lora_rows: slice | None = None  # the adapter rows sorted by slot (ops.lora_groups); None when there are none
+    lora_segments: list[Segment] = field(default_factory=list)  # (slot, start, end) into lora_rows
 
 
 class ModelRunner:
@@ -110,8 +120,10 @@ class ModelRunner:
         max_model_len: int,
         staging: StagingBuffer,
         graphs: DecodeGraphs,
+        lora_stacks: LoraStacks | None = None,
     ) -> None:
         self.model = model
+        self.lora_stacks = lora_stacks
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -150,6 +162,8 @@ class ModelRunner:
             host.decode_rows.append(tables.row(seq))
             host.decode_seq_lens.append(pos + 1)
             host.decode_width = max(host.decode_width, pos // bs + 1)
+            if self.lora_stacks is not None:
+                host.lora_slots.append(seq.lora_slot)
         for s in batch:
             if s.num_new_tokens == 1:
                 continue
@@ -164,10 +178,13 @@ class ModelRunner:
             host.prefill_cu_seqlens.append(host.prefill_cu_seqlens[-1] + s.num_new_tokens)
             host.prefill_seq_lens.append(end)
             host.prefill_width = max(host.prefill_width, -(-end // bs))
+            if self.lora_stacks is not None:
+                host.lora_slots.extend([seq.lora_slot] * s.num_new_tokens)
         host.logit_rows = [last_row[id(s)] for s in batch if s.samples]
         host.update_index, host.update_value = tables.take_updates()
         num_decode = len(host.decode_rows)
-        return self._stage(host, self.graphs.bucket_for(num_decode) if num_decode == len(batch) else None)
+        graphable = num_decode == len(batch) and not any(slot >= 0 for slot in host.lora_slots)
+        return self._stage(host, self.graphs.bucket_for(num_decode) if graphable else None)
 
     def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
         """Put `host` into the staging buffer, decode sections padded to `bucket` (a graph reads them at the
@@ -180,7 +197,7 @@ class ModelRunner:
                                  f"(max_model_len {self.max_model_len} / block_size {self.block_size})")
         pad = bucket or 0
         cu = host.prefill_cu_seqlens
-        return PreparedStep(
+        step = PreparedStep(
             num_tokens=max(len(host.input_ids), pad),
             input_ids=st.put(host.input_ids, pad),
             positions=st.put(host.positions, pad),
@@ -200,6 +217,10 @@ class ModelRunner:
             update_value=st.put(host.update_value),
             bucket=bucket,
         )
+        if any(slot >= 0 for slot in host.lora_slots):
+            rows, step.lora_segments = lora_groups(host.lora_slots)
+            step.lora_rows = st.put(rows)
+        return step
 
     def metadata(self, step: PreparedStep) -> AttentionMetadata:
         """The kernels' view of a staged step (device ops only: gathers of the block-table rows)."""
@@ -218,8 +239,12 @@ class ModelRunner:
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Hidden states of the staged step's packed rows (what a decode graph captures)."""
         st = self.staging
+        lora = None
+        if step.lora_rows is not None:
+            assert self.lora_stacks is not None
+            lora = LoraBatch(LoraGroups(st.ints(step.lora_rows), step.lora_segments), self.lora_stacks)
         hidden: torch.Tensor = self.model(st.ints(step.input_ids), st.ints(step.positions), self.kv_caches,
-                                          self.metadata(step), self.backend)
+                                          self.metadata(step), self.backend, lora)
         return hidden
 
     @torch.inference_mode()

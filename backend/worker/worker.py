@@ -19,6 +19,7 @@ import torch
 from tritium.backend.config import EngineConfig
 from tritium.backend.core.scheduler import SchedulerOutput
 from tritium.backend.core.sequence import Sequence
+from tritium.backend.lora.weights import LoraStacks
 from tritium.backend.models.config import ModelConfig, check_attention_backend
 from tritium.backend.models.loader import load_model
 from tritium.backend.sample.sampler import Sampler, SamplerOutput
@@ -74,17 +75,24 @@ class Worker:
         model = load_model(model_path, self.dtype, self.device, config.max_model_len, config.quantization)
         self.model_config = model.config
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        self.num_blocks = num_kv_blocks(config, model, self.device, self.dtype, self.max_model_len)
         seqs = config.max_num_seqs
-        slots = step_input_slots(seqs, config.max_num_batched_tokens, self.max_model_len, config.block_size)
-        self.staging = StagingBuffer(slots + row_settings_slots(seqs), self.device)
         use_graphs, why = use_decode_graphs(self.device.type, backend_name, config.enforce_eager)
         if not use_graphs and self.device.type == "cuda":
             log = logger.warning if config.enforce_eager is False else logger.info
             log("decode CUDA graphs are off: %s; decode steps run eagerly", why)
-        self.graphs = DecodeGraphs(graph_buckets(seqs) if use_graphs else [], self.device)
+        buckets = graph_buckets(seqs) if use_graphs else []
+        # The resident adapters' slots (LoraManager writes them); allocated before the KV cache is sized.
+        self.lora_stacks = LoraStacks(model.config, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
+            if config.enable_lora else None
+        sizing = num_kv_blocks(config, model, self.device, self.dtype, self.max_model_len, max(buckets, default=0))
+        self.num_blocks = sizing.num_blocks
+        self.memory_plan = sizing.plan  # on CUDA without kv_cache_bytes: what the share is spent on (gpu-check)
+        slots = step_input_slots(seqs, config.max_num_batched_tokens, self.max_model_len, config.block_size,
+                                 lora=config.enable_lora)
+        self.staging = StagingBuffer(slots + row_settings_slots(seqs), self.device)
+        self.graphs = DecodeGraphs(buckets, self.device)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device, seqs,
-                                  self.max_model_len, self.staging, self.graphs)
+                                  self.max_model_len, self.staging, self.graphs, self.lora_stacks)
         self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=self.device)
         self.structured = StructuredDecoding(grammars, self.device, seqs)
         self.faults = FaultInjector.from_env()  # test-only: `check` per step here, `check_loop` in the serving loop

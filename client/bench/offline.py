@@ -37,12 +37,12 @@ class BenchResult:
         return self.output_tokens / self.seconds
 
 
-def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int,
+def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int, model: str | None = None,
                   **engine_settings: Any) -> tuple[BenchResult, dict[str, Any]]:
-    """tritium's continuous batcher on the default model, after a short warm-up; returns the run and its
-    per-step figures (steps, step / model / overhead ms per step, overhead fraction). `engine_settings` are
-    further EngineConfig fields (max_num_batched_tokens defaults to 2048 here)."""
-    llm = LLM(None, max_num_seqs=max_num_seqs, **{"max_num_batched_tokens": 2048, **engine_settings})
+    """tritium's continuous batcher on `model` (None: the default model), after a short warm-up; returns the
+    run and its per-step figures (steps, step / model / overhead ms per step, overhead fraction).
+    `engine_settings` are further EngineConfig fields (max_num_batched_tokens defaults to 2048 here)."""
+    llm = LLM(model, max_num_seqs=max_num_seqs, **{"max_num_batched_tokens": 2048, **engine_settings})
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     stats = llm.engine.stats
@@ -63,12 +63,12 @@ def bench_tritium(prompts: list[list[int]], output_len: int, max_num_seqs: int,
 
 
 def bench_transformers(prompts: list[list[int]], output_len: int, batch_size: int, device: str = "cpu",
-                       dtype: torch.dtype = torch.float32) -> BenchResult:
-    """transformers' `generate` on the default model in static batches of `batch_size` (left padding),
-    after a short warm-up batch."""
+                       dtype: torch.dtype = torch.float32, model: str | None = None) -> BenchResult:
+    """transformers' `generate` on `model` (None: the default model) in static batches of `batch_size` (left
+    padding), after a short warm-up batch."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model(None)
+    path = resolve_model(model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     pad = model.generation_config.pad_token_id or 0
 
@@ -112,12 +112,13 @@ def run_offline_benchmark(
     skip_transformers: bool = False,
     out_dir: str | Path = "bench_results",
     max_num_seqs: int = 64,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Run the benchmark, print the table and ratios, write `offline.json` and `offline.png` into `out_dir`;
-    returns the JSON dict."""
+    """Run the benchmark (tritium in `dtype`, transformers in fp32), print the table and ratios, write
+    `offline.json` and `offline.png` into `out_dir`; returns the JSON dict."""
     prompts = random_token_prompts(num_requests, min_prompt, max_prompt)
     results = []
-    tritium, overhead = bench_tritium(prompts, output_len, max_num_seqs)
+    tritium, overhead = bench_tritium(prompts, output_len, max_num_seqs, dtype=dtype)
     results.append(tritium)
     if not skip_transformers:
         results.append(bench_transformers(prompts, output_len, batch_size=1))
@@ -132,7 +133,7 @@ def run_offline_benchmark(
         f"Python overhead {overhead['overhead_ms_avg']:.2f} ms ({100 * overhead['overhead_fraction']:.1f}%)"
     )
     report = {
-        "workload": {"num_requests": num_requests, "output_len": output_len, "min_prompt": min_prompt,
+        "workload": {"num_requests": num_requests, "output_len": output_len, "min_prompt": min_prompt, "dtype": dtype,
                      "max_prompt": max_prompt, "greedy": True, "ignore_eos": True},
         "machine": machine_info(),
         "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],

@@ -1,5 +1,6 @@
 """gpu-check steps on the engine itself (default model): greedy parity with transformers, sync-free decode
-steps, and a decode step's host time against its GPU time.
+steps (a batch that uses every sampler path), and the host time of a decode step and of a mixed
+prefill + decode step against their GPU time, with torch's reserved memory against the engine's estimate.
 
 One engine serves the three steps (`SharedEngine`); it is freed before the throughput step builds its own.
 On CUDA it takes GPU_MEMORY_UTILIZATION of the device, so transformers fits beside it.
@@ -14,8 +15,9 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +47,17 @@ PARITY_PROMPTS = [
 SYNC_MESSAGE = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says
 SYNC_BATCH, SYNC_STEPS = 32, 16
 TIMING_BATCH, TIMING_STEPS, PROFILED_STEPS = 64, 32, 16
+# A mixed step: MIXED_DECODE_ROWS decode rows and one new prompt of MIXED_PREFILL_TOKENS tokens (max_num_seqs
+# is 64, so the decode batch leaves a seat for it).
+MIXED_DECODE_ROWS, MIXED_PREFILL_TOKENS = 48, 512
 STEP_LABEL = "gpu_check.engine_step"
 # CUDA runtime calls in which the host waits for the GPU (a D2H copy into pageable memory waits inside
 # cudaMemcpyAsync; an H2D one from pageable memory may too).
 WAITING_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                  "cudaMemcpyAsync"}
+# CUDA calls that start work on the GPU from the host: a kernel (torch's runtime launches, Triton's driver ones)
+# or a whole CUDA graph.
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
 HOOK_NEEDED = ("LLMEngine.step could time what it spends blocked on the sampled ids (EngineStats.sync_wait_s), "
                "and ModelRunner.execute could record CUDA events around the forward pass (opt-in, e.g. "
                "EngineStats.gpu_forward_s): host time = step_s - sync_wait_s without a profiler")
@@ -58,8 +66,9 @@ HOOK_NEEDED = ("LLMEngine.step could time what it spends blocked on the sampled 
 class SharedEngine:
     """The engine of the parity, sync and timing steps, built on first use (a failure is kept and re-raised)."""
 
-    def __init__(self, smoke: bool) -> None:
+    def __init__(self, smoke: bool, model: str | None = None) -> None:
         self.smoke = smoke
+        self.model = model  # a folder, or None for the default model
         self._engine: LLMEngine | None = None
         self._error: Exception | None = None
 
@@ -69,7 +78,7 @@ class SharedEngine:
             raise RuntimeError(f"the engine failed to start: {self._error}")
         if self._engine is None:
             try:
-                self._engine = LLMEngine(engine_config(self.smoke))
+                self._engine = LLMEngine(engine_config(self.smoke, self.model))
             except Exception as exc:
                 self._error = exc
                 raise
@@ -83,13 +92,13 @@ class SharedEngine:
             torch.cuda.empty_cache()
 
 
-def engine_config(smoke: bool) -> EngineConfig:
-    """The default model with default settings but a GPU_MEMORY_UTILIZATION share of the GPU; in smoke mode on
-    the CPU with a small KV cache and token budget."""
+def engine_config(smoke: bool, model: str | None = None) -> EngineConfig:
+    """`model` (None: the default model) with default settings but a GPU_MEMORY_UTILIZATION share of the GPU;
+    in smoke mode on the CPU with a small KV cache and token budget."""
     if smoke:
-        return EngineConfig(model=None, device="cpu", kv_cache_bytes=SMOKE_KV_CACHE_BYTES,
+        return EngineConfig(model=model, device="cpu", kv_cache_bytes=SMOKE_KV_CACHE_BYTES,
                             max_model_len=SMOKE_MAX_MODEL_LEN, max_num_batched_tokens=SMOKE_TOKEN_BUDGET)
-    return EngineConfig(model=None, device="cuda", gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+    return EngineConfig(model=model, device="cuda", gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
@@ -110,12 +119,12 @@ def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
 
 
 def hf_greedy(prompts: list[list[int]], max_new_tokens: int, device: str,
-              dtype: torch.dtype) -> list[tuple[list[int], list[set[int]]]]:
+              dtype: torch.dtype, model_path: str | None = None) -> list[tuple[list[int], list[set[int]]]]:
     """transformers' greedy continuation of each prompt, one at a time (stops at EOS like tritium), with the
     PARITY_TOP_K most likely token ids of its raw logits at each position."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(model_path), dtype=dtype).to(device).eval()
     outs = []
     for prompt in tqdm(prompts, desc="transformers greedy", unit="prompt"):
         ids = torch.tensor([prompt], device=device)
@@ -147,7 +156,7 @@ def check_parity(shared: SharedEngine, smoke: bool) -> Outcome:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), False) for t in texts]
     ours = generate(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=PARITY_TOP_K),
                     "parity")
-    theirs = hf_greedy(prompts, max_tokens, str(engine.device), engine.dtype)
+    theirs = hf_greedy(prompts, max_tokens, str(engine.device), engine.dtype, shared.model)
     exact = engine.dtype == torch.float32
     rows: list[dict[str, Any]] = []
     for t, (a, a_logprobs), (b, b_topk) in zip(texts, ours, theirs, strict=True):
@@ -167,20 +176,39 @@ def check_parity(shared: SharedEngine, smoke: bool) -> Outcome:
                                                     "max_tokens": max_tokens, "rule": rule, "prompts": rows})
 
 
-def start_decoding(engine: LLMEngine, n: int, max_tokens: int, tag: str) -> list[str]:
-    """Add `n` greedy requests (prompts of 64-192 random ordinary tokens, ignore_eos) and step until every
-    one has produced a token, so that the next steps are decode steps of the whole batch."""
+def start_decoding(engine: LLMEngine, n: int, max_tokens: int, tag: str,
+                   params: list[SamplingParams] | None = None) -> list[str]:
+    """Add `n` requests (prompts of 64-192 random ordinary tokens; `params` per request, default greedy with
+    ignore_eos) and step until every one has produced a token, so that the next steps are decode steps of the
+    whole batch."""
     prompts = random_token_prompts(n, 64, 192, vocab=engine.model_config.vocab_size, seed=1)
     ids = [f"gpu-check-{tag}-{i}" for i in range(n)]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for rid, prompt, p in zip(ids, prompts, params or [greedy] * n, strict=True):
+        engine.add_request(rid, None, p, prompt_token_ids=prompt)
     started: set[str] = set()
     for _ in range(10 * n):
         started.update(o.request_id for o in engine.step() if o.delta_token_ids)
         if started.issuperset(ids):
             return ids
     raise RuntimeError(f"{n - len(started & set(ids))} of {n} requests produced no token")
+
+
+def sync_batch_params(n: int, max_tokens: int, constrained: bool) -> list[SamplingParams]:
+    """`n` requests' settings that together use every sampler path: greedy, logprobs (greedy and random),
+    penalties, seeded top-p, top-k / min-p, min_tokens, and (when `constrained`) a regex grammar that never
+    ends. Every one ignores EOS, so none stops before `max_tokens`."""
+    kinds: list[dict[str, Any]] = [
+        {"temperature": 0},
+        {"temperature": 0, "logprobs": 5},
+        {"temperature": 0.8, "top_k": 40, "logprobs": 1},
+        {"temperature": 0, "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.2},
+        {"temperature": 1.0, "top_p": 0.9, "seed": 1234},
+        {"temperature": 0.7, "min_p": 0.05, "min_tokens": max_tokens // 2},
+    ]
+    if constrained:
+        kinds.append({"temperature": 0.7, "structured_output": {"regex": "[a-z ]+"}})
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(n)]
 
 
 def finish(engine: LLMEngine, ids: list[str]) -> None:
@@ -232,13 +260,19 @@ def recording_syncs() -> Iterator[list[str]]:
 
 
 def check_sync_free_decode(shared: SharedEngine, smoke: bool) -> Outcome:
-    """Decode steps of a batch of SYNC_BATCH requests under the sync debug mode: one sync per step (fetching
-    the sampled ids) is allowed, any other is a failure."""
+    """Decode steps of a batch of SYNC_BATCH requests that use every sampler path (`sync_batch_params`:
+    logprobs, penalties, seeded, min_tokens, top-k/top-p/min-p and, when llguidance is installed, constrained
+    rows) under the sync debug mode: one sync per step (fetching the sampled ids and logprobs) is allowed, any
+    other is a failure."""
+    from tritium.backend.structured_output.compiler import llguidance_available
+
     if smoke or not torch.cuda.is_available():
         return Outcome(SKIP, "CUDA only: torch.cuda.set_sync_debug_mode has nothing to watch on a CPU (smoke mode)")
     engine = shared.get()
     generate(engine, [[1, 2, 3, 4]] * 4, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "warm")
-    ids = start_decoding(engine, SYNC_BATCH, SYNC_STEPS + 16, "sync")
+    constrained = llguidance_available()
+    params = sync_batch_params(SYNC_BATCH, SYNC_STEPS + 16, constrained)
+    ids = start_decoding(engine, SYNC_BATCH, SYNC_STEPS + 16, "sync", params)
     try:
         for _ in range(3):  # settle: a graph bucket first used here is captured outside the watched steps
             engine.step()
@@ -253,10 +287,13 @@ def check_sync_free_decode(shared: SharedEngine, smoke: bool) -> Outcome:
     places = dict(Counter(found).most_common())
     worst = max(per_step)
     where = "; ".join(f"{place} ({n}x)" for place, n in list(places.items())[:3]) or "none"
-    summary = (f"{SYNC_STEPS} decode steps at batch {SYNC_BATCH}: at most {worst} sync per step "
+    rows = "logprobs, penalties, seeded, min_tokens, top-k/p, min-p" + (
+        ", constrained" if constrained else "; no constrained rows: llguidance is not installed")
+    summary = (f"{SYNC_STEPS} decode steps at batch {SYNC_BATCH} ({rows}): at most {worst} sync per step "
                f"(allowed: 1, the sampled ids); {where}")
     return Outcome(PASS if worst <= 1 else FAIL, summary,
-                   {"batch": SYNC_BATCH, "steps": SYNC_STEPS, "syncs_per_step": per_step, "syncs_by_place": places})
+                   {"batch": SYNC_BATCH, "steps": SYNC_STEPS, "rows": rows, "constrained_rows": constrained,
+                    "syncs_per_step": per_step, "syncs_by_place": places})
 
 
 def split_profile(events: Any, steps: int) -> dict[str, float | None]:
@@ -275,39 +312,128 @@ def split_profile(events: Any, steps: int) -> dict[str, float | None]:
             "gpu_ms_per_step": sum(gpu) / steps / 1e3 if gpu else None}
 
 
+def count_launches(events: Any, steps: int) -> float:
+    """Kernel and graph launches per step (host-side CUDA calls, LAUNCH_CALLS) in a torch.profiler trace."""
+    from torch.autograd import DeviceType
+
+    launches = sum(1 for e in events
+                   if e.device_type == DeviceType.CPU and re.sub(r"_v\d+$", "", e.name) in LAUNCH_CALLS)
+    return launches / steps
+
+
+def add_prefill(engine: LLMEngine, prompt: list[int], request_id: str) -> None:
+    """Queue a request that prefills `prompt` and ends with its first token (the next step mixes its prefill
+    with the running decode rows)."""
+    engine.add_request(request_id, None, SamplingParams(temperature=0, max_tokens=1), prompt_token_ids=prompt)
+
+
+def mixed_step(engine: LLMEngine, prompt: list[int], request_id: str) -> bool:
+    """One step of the running decode rows plus `prompt`'s whole prefill. Returns whether it was that: the
+    new request finished in it and at least one other request got a token."""
+    add_prefill(engine, prompt, request_id)
+    outs = engine.step()
+    prefilled = any(o.request_id == request_id and o.finished for o in outs)
+    return prefilled and any(o.request_id != request_id and o.delta_token_ids for o in outs)
+
+
+def profiled_steps(step: Callable[[int], object], steps: int) -> dict[str, float | None]:
+    """`split_profile` and `count_launches` of `steps` calls of `step(i)` under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            with record_function(STEP_LABEL):
+                step(i)
+        torch.cuda.synchronize()
+    events = prof.events()
+    return {**split_profile(events, steps), "launches_per_step": count_launches(events, steps)}
+
+
+def timed_steps(step: Callable[[int], object], steps: int, desc: str) -> list[float]:
+    """Wall milliseconds of each of `steps` calls of `step(i)`."""
+    walls = []
+    for i in tqdm(range(steps), desc=desc, unit="step"):
+        t0 = time.perf_counter()
+        step(i)
+        walls.append(1e3 * (time.perf_counter() - t0))
+    return walls
+
+
+def memory_figures(engine: LLMEngine) -> dict[str, Any]:
+    """torch's reserved memory (now, and at most since the last reset of the peak statistics) against the
+    engine's memory plan (memory_budget.py), in GiB: what the allocator holds should stay within the plan's
+    `torch_bytes`."""
+    gib = 1 << 30
+    figures: dict[str, Any] = {"reserved_gib": torch.cuda.memory_reserved() / gib,
+                               "max_reserved_gib": torch.cuda.max_memory_reserved() / gib,
+                               "max_allocated_gib": torch.cuda.max_memory_allocated() / gib}
+    plan = getattr(engine.worker, "memory_plan", None)
+    if plan is not None:
+        figures["estimate"] = {k: v / gib for k, v in asdict(plan).items()}
+        figures["estimate_torch_gib"] = plan.torch_bytes / gib
+        figures["max_reserved_over_estimate"] = torch.cuda.max_memory_reserved() / plan.torch_bytes
+    return figures
+
+
 def check_step_timing(shared: SharedEngine, smoke: bool) -> Outcome:
-    """Decode steps of TIMING_BATCH requests: wall time per step (perf_counter around engine.step), then host
-    time (wall minus waits for the GPU) against GPU busy time per step, from a torch.profiler trace."""
+    """Decode steps of TIMING_BATCH requests, then mixed steps (MIXED_DECODE_ROWS decode rows and a prefill of
+    MIXED_PREFILL_TOKENS tokens: these run eagerly, decode rows included, see decode_graphs.py): wall time per
+    step (perf_counter around engine.step), then host time (wall minus waits for the GPU) against GPU busy
+    time and kernel launches per step, from a torch.profiler trace. Then torch's reserved memory against the
+    engine's memory plan. Fails when a mixed step was not one or the profiler saw no GPU work."""
     if smoke or not torch.cuda.is_available():
         return Outcome(SKIP, "CUDA only: a CPU has no GPU time to set the host time against (smoke mode)")
     engine = shared.get()
+    gc.collect()  # what the parity step's transformers model left in torch's cache is not the engine's
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     ids = start_decoding(engine, TIMING_BATCH, TIMING_STEPS + PROFILED_STEPS + 16, "timing")
     try:
         for _ in range(3):
             engine.step()
-        walls = []
-        for _ in tqdm(range(TIMING_STEPS), desc=f"decode steps at batch {TIMING_BATCH}", unit="step"):
-            t0 = time.perf_counter()
-            engine.step()
-            walls.append(1e3 * (time.perf_counter() - t0))
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(PROFILED_STEPS):
-                with record_function(STEP_LABEL):
-                    engine.step()
-            torch.cuda.synchronize()
-        split = split_profile(prof.events(), PROFILED_STEPS)
+        walls = timed_steps(lambda i: engine.step(), TIMING_STEPS, f"decode steps at batch {TIMING_BATCH}")
+        split = profiled_steps(lambda i: engine.step(), PROFILED_STEPS)
     finally:
         finish(engine, ids)
+    mixed_steps = 3 + TIMING_STEPS + PROFILED_STEPS
+    prompts = random_token_prompts(mixed_steps, MIXED_PREFILL_TOKENS, MIXED_PREFILL_TOKENS,
+                                   vocab=engine.model_config.vocab_size, seed=2)
+    ids = start_decoding(engine, MIXED_DECODE_ROWS, mixed_steps + 16, "mixed")
+    mixed_ok: list[bool] = []
+
+    def mixed(i: int) -> None:
+        mixed_ok.append(mixed_step(engine, prompts[i], f"gpu-check-prefill-{i}"))
+
+    try:
+        for i in range(3):
+            mixed(i)
+        mixed_walls = timed_steps(lambda i: mixed(3 + i), TIMING_STEPS,
+                                  f"mixed steps ({MIXED_DECODE_ROWS} decode + {MIXED_PREFILL_TOKENS} prefill)")
+        mixed_split = profiled_steps(lambda i: mixed(3 + TIMING_STEPS + i), PROFILED_STEPS)
+    finally:
+        finish(engine, ids)
+    memory = memory_figures(engine)
     figures: dict[str, Any] = {"batch": TIMING_BATCH, "steps": TIMING_STEPS, "wall_ms_per_step_p50":
                                statistics.median(walls), "wall_ms_per_step_mean": statistics.fmean(walls), **split,
+                               "mixed": {"decode_rows": MIXED_DECODE_ROWS, "prefill_tokens": MIXED_PREFILL_TOKENS,
+                                         "steps_that_were_mixed": f"{sum(mixed_ok)}/{len(mixed_ok)}",
+                                         "wall_ms_per_step_p50": statistics.median(mixed_walls), **mixed_split},
+                               "memory": memory,
                                "method": "host = profiled step wall time minus time in CUDA calls that wait for "
                                "the GPU; GPU = sum of kernel and copy times (the profiler adds host time, so "
                                "the host figure is an upper bound)", "hook_needed": HOOK_NEEDED}
     host, gpu = split["host_ms_per_step"], split["gpu_ms_per_step"]
-    if gpu is None:
+    m_host, m_gpu = mixed_split["host_ms_per_step"], mixed_split["gpu_ms_per_step"]
+    if gpu is None or m_gpu is None:
         return Outcome(FAIL, "the profiler recorded no GPU activity (CUPTI unavailable?)", figures)
-    summary = (f"batch {TIMING_BATCH}: step {figures['wall_ms_per_step_p50']:.2f} ms (p50); host {host:.2f} ms vs "
-               f"GPU {gpu:.2f} ms per step (profiled)")
+    estimate = (f" vs estimate {memory['estimate_torch_gib']:.2f} GiB" if "estimate_torch_gib" in memory
+                else " (no estimate: kv_cache_bytes set)")
+    summary = (f"decode batch {TIMING_BATCH}: step {figures['wall_ms_per_step_p50']:.2f} ms (p50); host "
+               f"{host:.2f} ms vs GPU {gpu:.2f} ms, {split['launches_per_step']:.0f} launches; mixed "
+               f"({MIXED_DECODE_ROWS}+{MIXED_PREFILL_TOKENS}): host {m_host:.2f} ms vs GPU {m_gpu:.2f} ms, "
+               f"{mixed_split['launches_per_step']:.0f} launches (profiled, per step); reserved max "
+               f"{memory['max_reserved_gib']:.2f} GiB{estimate}")
+    if not all(mixed_ok):
+        return Outcome(FAIL, f"only {sum(mixed_ok)}/{len(mixed_ok)} mixed steps mixed a prefill with decode rows; "
+                       + summary, figures)
     return Outcome(PASS, summary, figures)

@@ -5,9 +5,17 @@ Steps, each timed and reported pass / fail / skip with its figures (a failed ste
   2  greedy parity          the engine's greedy tokens against transformers, same device and dtype
   3  sync-free decode       decode steps under torch.cuda.set_sync_debug_mode: one sync per step allowed
   3b step timing            a batch-64 decode step's host time against its GPU time (checks/engine.py)
+  2b greedy parity          the same on a few random layers of a head_dim-128, GQA-4 shape (Llama-3-8B-like)
+  3c step timing            the same on those layers
   4  kernel benchmark       prefill TFLOP/s next to SDPA flash, decode GB/s next to the peak (bench/kernels.py)
   5  offline throughput     tritium next to transformers on the default model (bench/offline.py)
-then the goal verdicts. Writes gpu_check.json and gpu_check.png to --out and prints a one-screen summary.
+then the goal verdicts. gpu_check.json and gpu_check.png in --out are rewritten after every step (a run cut
+short leaves what it did, the rest reported "not run"); a one-screen summary is printed at the end.
+
+`--steps 1,2,3b` runs only those steps (the others are reported "not run"; nothing is merged from an earlier
+run). `--model` is "auto" (the default model when installed, else "random"), "default", "random" (random
+weights with the default model's shapes and real tokenizer, config and tokenizer from `--model-files` or the
+default model) or a folder; `--budget-s` reports the steps not started within that many seconds "not run".
 
 `--smoke` runs the same steps on a CPU with tiny shapes (the Triton interpreter, TRITON_INTERPRET=1, which
 must be set before triton is imported: this entry sets it, or starts itself again when triton already is),
@@ -21,6 +29,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -31,7 +40,7 @@ from typing import Any
 
 from tritium.client.bench.report import write_report
 from tritium.client.checks import report as report
-from tritium.client.checks.report import FAIL, PASS, Outcome, StepResult
+from tritium.client.checks.report import FAIL, NOT_RUN, PASS, Outcome, StepResult
 
 DEFAULT_OUT = "bench_results/gpu_check"
 KERNEL_BENCH_BUDGET_S = 100.0
@@ -57,12 +66,17 @@ SMOKE_WORKLOAD = Workload(4, 8, 16, 32, (4,))
 
 @dataclass(frozen=True)
 class Step:
-    """A step of the check: its number and name in the report, its title, what runs it."""
+    """A step of the check: its number and name in the report, its title, what runs it, and which engine it
+    uses ("default", "wide" or None: engines other than its own are freed before it runs)."""
 
     number: str
     name: str
     title: str
     run: Callable[[], Outcome]
+    engine: str | None = None
+
+
+STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "4", "5")  # in the order they run
 
 
 def check_kernel_bench(smoke: bool) -> Outcome:
@@ -94,9 +108,9 @@ def check_kernel_bench(smoke: bool) -> Outcome:
     return Outcome(PASS, summary, figures)
 
 
-def check_throughput(smoke: bool) -> Outcome:
-    """Step 5: offline throughput of tritium and transformers on the same prompts; fails when any of them
-    produced fewer than the requested tokens."""
+def check_throughput(smoke: bool, model: str | None = None) -> Outcome:
+    """Step 5: offline throughput of tritium and transformers on the same prompts, on `model` (None: the default
+    model); fails when any of them produced fewer than the requested tokens."""
     import torch
 
     from tritium.client.bench.offline import bench_transformers, bench_tritium
@@ -117,9 +131,9 @@ def check_throughput(smoke: bool) -> Outcome:
         device, dtype = "cuda", torch.bfloat16
         settings = {"device": "cuda", "gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
     prompts = random_token_prompts(work.num_requests, work.min_prompt, work.max_prompt)
-    tritium, step = bench_tritium(prompts, work.output_len, max_num_seqs=64, **settings)
+    tritium, step = bench_tritium(prompts, work.output_len, max_num_seqs=64, model=model, **settings)
     _free_memory()
-    results = [tritium] + [bench_transformers(prompts, work.output_len, b, device, dtype)
+    results = [tritium] + [bench_transformers(prompts, work.output_len, b, device, dtype, model)
                            for b in work.transformers_batches]
     expected = work.num_requests * work.output_len
     short = [r.name for r in results if r.output_tokens != expected]
@@ -143,8 +157,11 @@ def _free_memory() -> None:
 
 
 def run_step(step: Step) -> StepResult:
-    """Run one step, timed; an exception fails that step alone (its traceback goes into the figures)."""
+    """Run one step, timed; an exception fails that step alone (its traceback goes into the figures). On CUDA
+    the figures also count the kernels Triton compiled during the step (new entries in its cache)."""
     print(f"\n== step {step.number}: {step.title}", flush=True)
+    cache = triton_cache_dir()
+    before = compiled_kernels(cache)
     t0 = time.perf_counter()
     try:
         outcome = step.run()
@@ -153,8 +170,40 @@ def run_step(step: Step) -> StepResult:
         outcome = Outcome(FAIL, f"{type(exc).__name__}: {exc}"[:300], {"traceback": traceback.format_exc()})
     result = StepResult(step.number, step.name, step.title, outcome.status, time.perf_counter() - t0,
                         outcome.summary, outcome.figures)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        result.figures["triton_compiled"] = len(compiled_kernels(cache) - before)
     print(f"-- step {step.number} {result.status} in {result.seconds:.1f} s: {result.summary}", flush=True)
     return result
+
+
+def not_run(step: Step, why: str) -> StepResult:
+    """A step reported without running: status "not run", `why` as its summary."""
+    return StepResult(step.number, step.name, step.title, NOT_RUN, 0.0, why)
+
+
+def triton_cache_dir() -> Path:
+    """Where Triton keeps compiled kernels: $TRITON_CACHE_DIR, else ~/.triton/cache."""
+    env = os.environ.get("TRITON_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".triton" / "cache"
+
+
+def compiled_kernels(cache: Path) -> set[str]:
+    """The cache entries (one folder per compiled kernel variant) that hold a GPU binary."""
+    if not cache.is_dir():
+        return set()
+    return {d.name for d in cache.iterdir() if d.is_dir() and (any(d.glob("*.cubin")) or any(d.glob("*.hsaco")))}
+
+
+def parse_steps(text: str | None) -> list[str]:
+    """The step numbers of `--steps` ("1,2,3b"), in run order; None or "all" is every step. Raises ValueError
+    naming an unknown step."""
+    if text is None or text.strip() in ("", "all"):
+        return list(STEP_NUMBERS)
+    asked = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in asked if t not in STEP_NUMBERS]
+    if unknown:
+        raise ValueError(f"unknown step {', '.join(unknown)} (steps: {', '.join(STEP_NUMBERS)})")
+    return [n for n in STEP_NUMBERS if n in asked]
 
 
 def machine_info(smoke: bool) -> dict[str, Any]:
@@ -180,63 +229,129 @@ def machine_info(smoke: bool) -> dict[str, Any]:
 
 
 def git_commit() -> str | None:
-    """The checkout's HEAD commit, None outside a git checkout (or without git)."""
+    """The checkout's HEAD commit; outside a git checkout (or without git) $TRITIUM_GIT_COMMIT (the device
+    command sets it from the bundle's manifest), else None."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
                              text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return os.environ.get("TRITIUM_GIT_COMMIT") or None
 
 
-def run_gpu_check(out_dir: str = DEFAULT_OUT, smoke: bool = False) -> dict[str, Any]:
-    """Run every step, write gpu_check.json and gpu_check.png, print the summary; returns the JSON dict.
-    Raises RuntimeError without CUDA unless smoke."""
+@dataclass(frozen=True)
+class Options:
+    """What `tritium gpu-check` was asked: see the module docstring."""
+
+    out_dir: str = DEFAULT_OUT
+    smoke: bool = False
+    steps: str | None = None
+    model: str = "auto"
+    model_files: str | None = None
+    budget_s: float | None = None
+
+
+def run_gpu_check(out_dir: str = DEFAULT_OUT, smoke: bool = False, options: Options | None = None) -> dict[str, Any]:
+    """Run the selected steps, rewriting gpu_check.json and gpu_check.png after each, print the summary;
+    returns the JSON dict. `options` (when given) wins over `out_dir` and `smoke`. Raises RuntimeError without
+    CUDA unless smoke, ValueError for an unknown step."""
     import torch
 
-    from tritium.client.checks.engine import SharedEngine, check_parity, check_step_timing, check_sync_free_decode
-    from tritium.client.checks.kernels import check_kernels
-
+    opts = options or Options(out_dir, smoke)
+    smoke = opts.smoke
+    selected = parse_steps(opts.steps)
     if not smoke and not torch.cuda.is_available():
         raise RuntimeError("gpu-check needs a CUDA GPU (--smoke checks the script itself on a CPU)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tritium.client.checks.triton_compat import patch_interpreter
+
+        patch_interpreter()
+    with tempfile.TemporaryDirectory(prefix="tritium-gpu-check-") as work:
+        return _run(opts, selected, Path(work))
+
+
+def _run(opts: Options, selected: list[str], work: Path) -> dict[str, Any]:
+    from tritium.client.checks.engine import SharedEngine, check_parity, check_step_timing, check_sync_free_decode
+    from tritium.client.checks.kernels import check_kernels
+    from tritium.client.checks.models import CheckModels
+
+    smoke = opts.smoke
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
     machine = machine_info(smoke)
-    engine = SharedEngine(smoke)
+    models = CheckModels(opts.model, Path(opts.model_files) if opts.model_files else None, work, smoke)
+    engines: dict[str, SharedEngine] = {}
+
+    def engine(kind: str) -> SharedEngine:
+        if kind not in engines:
+            engines[kind] = SharedEngine(smoke, models.default() if kind == "default" else models.wide())
+        return engines[kind]
+
     steps = [
         Step("1", "kernels", "kernels vs reference", lambda: check_kernels(smoke)),
-        Step("2", "parity", "greedy parity vs HF", lambda: check_parity(engine, smoke)),
-        Step("3", "sync_free_decode", "sync-free decode", lambda: check_sync_free_decode(engine, smoke)),
-        Step("3b", "step_timing", "step host vs GPU time", lambda: check_step_timing(engine, smoke)),
+        Step("2", "parity", "greedy parity vs HF", lambda: check_parity(engine("default"), smoke), "default"),
+        Step("3", "sync_free_decode", "sync-free decode", lambda: check_sync_free_decode(engine("default"), smoke),
+             "default"),
+        Step("3b", "step_timing", "step host vs GPU time", lambda: check_step_timing(engine("default"), smoke),
+             "default"),
+        Step("2b", "parity_wide", "parity, hd128 GQA-4", lambda: check_parity(engine("wide"), smoke), "wide"),
+        Step("3c", "step_timing_wide", "step time, hd128 GQA-4", lambda: check_step_timing(engine("wide"), smoke),
+             "wide"),
         Step("4", "kernel_bench", "kernel benchmark", lambda: check_kernel_bench(smoke)),
-        Step("5", "throughput", "offline throughput", lambda: check_throughput(smoke)),
+        Step("5", "throughput", "offline throughput", lambda: check_throughput(smoke, models.default())),
     ]
-    results = []
+    assert [s.number for s in steps] == list(STEP_NUMBERS)
+    results: dict[str, StepResult] = {s.number: not_run(s, "not selected (--steps)") for s in steps
+                                      if s.number not in selected}
     for step in steps:
-        if step.name == "kernel_bench":  # the engine steps are done: give its memory back
-            engine.close()
-        results.append(run_step(step))
-    by_name = {r.name: r for r in results}
+        if step.number not in selected:
+            continue
+        for kind in [k for k in engines if k != step.engine]:  # give the memory of engines done with back
+            engines.pop(kind).close()
+        if opts.budget_s is not None and time.perf_counter() - t0 > opts.budget_s:
+            results[step.number] = not_run(step, f"time budget of {opts.budget_s:.0f} s spent")
+            continue
+        results[step.number] = not_run(step, "started, did not finish (the run was cut short)")
+        write_results(opts, machine, started, t0, steps, results, models, plot=False)
+        results[step.number] = run_step(step)
+        write_results(opts, machine, started, t0, steps, results, models, plot=True)
+    for shared in engines.values():
+        shared.close()
+    data = write_results(opts, machine, started, t0, steps, results, models, plot=True)
+    print("\n" + "\n".join(data["summary"]))
+    print(f"\nresults: {Path(opts.out_dir) / 'gpu_check.json'}, {Path(opts.out_dir) / 'gpu_check.png'}", flush=True)
+    return data
+
+
+def write_results(opts: Options, machine: dict[str, Any], started: str, t0: float, steps: list[Step],
+                  results: dict[str, StepResult], models: Any, plot: bool) -> dict[str, Any]:
+    """Write gpu_check.json (and with `plot` gpu_check.png) from the results so far, every step listed
+    (those without a result as "not run"); returns the JSON dict."""
+    ordered = [results.get(s.number) or not_run(s, "not reached") for s in steps]
+    by_name = {r.name: r for r in ordered if r.status != NOT_RUN}
+    smoke = opts.smoke
     goals = report.goal_verdicts(by_name) if not smoke else [
         report.Goal(g.goal, "not measured", "smoke mode (CPU)") for g in report.goal_verdicts({})]
     total = time.perf_counter() - t0
     commit = (machine["git_commit"] or "unknown")[:10]
     header = (f"tritium gpu-check{' --smoke' if smoke else ''} on {machine['device']} (torch {machine['torch']}, "
               f"triton {machine['triton']}, commit {commit})")
-    lines = report.summary_lines(header, results, goals, total)
+    lines = report.summary_lines(header, ordered, goals, total)
     data = {"tool": "tritium gpu-check", "smoke": smoke, "started": started, "total_s": total, "machine": machine,
-            "passed": all(r.status != FAIL for r in results), "steps": [asdict(r) for r in results],
-            "goals": [asdict(g) for g in goals], "summary": lines}
+            "options": asdict(opts), "models": models.log,
+            "passed": all(r.status != FAIL for r in ordered),
+            "complete": all(r.status != NOT_RUN for r in ordered if r.number in parse_steps(opts.steps)),
+            "steps": [asdict(r) for r in ordered], "goals": [asdict(g) for g in goals], "summary": lines}
 
-    def plot(path: Path) -> None:
+    def draw(path: Path) -> None:
         try:
             report.plot(by_name, path, header)
         except Exception:  # the figures are in the JSON: a broken plot must not fail the check
             traceback.print_exc()
 
-    path = write_report(out_dir, "gpu_check", data, plot)
-    print("\n" + "\n".join(lines))
-    print(f"\nresults: {path}, {path.with_suffix('.png')}", flush=True)
+    write_report(opts.out_dir, "gpu_check", data, draw if plot else None)
     return data
 
 

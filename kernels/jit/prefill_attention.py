@@ -35,6 +35,13 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, st
     return acc, m_new, l_i
 
 
+@triton.jit
+def query_tile(slot, rows, BLOCK_M: tl.constexpr):
+    """The query tile that program `slot` (the grid's first axis) computes for a sequence of `rows` rows, which has
+    n tiles: slot 0 takes tile n - 1 (the one with the most keys to visit), slot n - 1 tile 0; negative from n on."""
+    return (rows + BLOCK_M - 1) // BLOCK_M - 1 - slot
+
+
 @triton.jit(do_not_specialize=["stride_bt"],
             do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr"])
 def prefill_attention_kernel(
@@ -44,12 +51,12 @@ def prefill_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if tile * BLOCK_M < q_len * GROUP:
+    tile = query_tile(tl.program_id(0), q_len * GROUP, BLOCK_M)
+    if tile >= 0:
         context_len = tl.load(seq_lens_ptr + seq)
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_valid = rows < q_len * GROUP

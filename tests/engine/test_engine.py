@@ -78,6 +78,7 @@ def test_stop_string_ends_text_before_it(make_llm: Callable[..., LLM]) -> None:
     assert out.text == free.text[: free.text.index("Paris")]
 
 
+@pytest.mark.batch_invariant
 def test_seeded_sampling_repeats_whatever_the_batch(tiny: LLM) -> None:
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     alone = tiny.generate("The weather", params)[0].token_ids

@@ -77,6 +77,7 @@ def test_odd_values_are_refused_at_admission(engine: LLMEngine, fields: dict[str
     assert not engine.requests
 
 
+@pytest.mark.batch_invariant
 @pytest.mark.parametrize("fields", [
     {"temperature": 1e-45}, {"min_p": 1.0}, {"top_k": 10**12}, {"top_k": 10**30, "top_p": 1e-9},
     {"repetition_penalty": 100.0, "presence_penalty": 2.0, "frequency_penalty": -2.0}, {"logprobs": 20},
@@ -94,12 +95,14 @@ def test_a_temperature_that_underflows_is_greedy(engine: LLMEngine) -> None:
     assert tiny_t.token_ids == run(engine, {"b": ("Once upon a time", GREEDY)})["b"].token_ids
 
 
+@pytest.mark.batch_invariant
 def test_a_request_with_every_token_banned_ends_alone_with_its_error(engine: LLMEngine, solo: list[int]) -> None:
     odd = beside_bystander(engine, solo, SamplingParams(max_tokens=4, min_tokens=2,
                                                         stop_token_ids=list(range(VOCAB))))
     assert odd.finish_reason == "error" and "every token is banned" in (odd.error or "")
 
 
+@pytest.mark.batch_invariant
 def test_a_failing_detokenizer_fails_only_its_request(engine: LLMEngine, solo: list[int],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     real_add = engine.add_request
@@ -114,6 +117,7 @@ def test_a_failing_detokenizer_fails_only_its_request(engine: LLMEngine, solo: l
     assert odd.finish_reason == "error" and odd.error == "internal error while processing the generated token"
 
 
+@pytest.mark.batch_invariant
 def test_a_failing_sampler_row_fails_only_its_request_and_seeded_rows_keep_their_tokens(
         engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
@@ -157,6 +161,7 @@ def test_the_strategy_varies_every_sampling_field() -> None:
     assert set(VARIED) == set(SAMPLING_FIELDS)  # a new field joins the test below, or this fails
 
 
+@pytest.mark.batch_invariant
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(fields=FIELDS, prompt=st.sampled_from(["Tell me more", "\u00e9\u00e8 \U0001f600 ok", "1 2 3 4"]))

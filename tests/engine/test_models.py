@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.models import gguf_convert, registry
@@ -119,3 +120,34 @@ def test_config_variants_match_transformers(make_llm: Callable[..., LLM], tmp_pa
     prompts = [llm.tokenizer.encode("A fairly long prompt about rotary embeddings " * 6), [5, 6, 7]]
     expected = hf_greedy(path, prompts, 16)
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_weights_are_packed_and_give_the_same_logits(dtype: torch.dtype, tiny_llama_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 and (where oneDNN has bf16) bf16 projections are packed once at load; logits match F.linear's."""
+    from tritium.backend.models import loader
+    from tritium.backend.models.llama import CpuPackedLinear, cpu_packing_available
+    from tritium.client.bench.accuracy import sequence_logits
+
+    if not cpu_packing_available(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    cpu = torch.device("cpu")
+    packed = load_model(tiny_llama_path, dtype, cpu, max_positions=64)
+    assert isinstance(packed.layers[0].qkv_proj, CpuPackedLinear)
+    assert isinstance(packed.packed_lm_head, CpuPackedLinear)
+    monkeypatch.setattr(loader, "cpu_packing_available", lambda dtype: False)
+    plain = load_model(tiny_llama_path, dtype, cpu, max_positions=64)
+    assert isinstance(plain.layers[0].qkv_proj, torch.nn.Linear)
+    ids = list(range(100, 140))
+    got, want = sequence_logits(packed, ids), sequence_logits(plain, ids)
+    assert got.dtype == want.dtype == torch.float32
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol)
+    assert bool((got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9)
+
+
+def test_fp16_is_never_packed_on_cpu() -> None:
+    from tritium.backend.models.llama import cpu_packing_available
+
+    assert not cpu_packing_available(torch.float16)

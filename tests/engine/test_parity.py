@@ -45,6 +45,7 @@ def smol_expected(default_model_path: Path, smol_prompts: list[list[int]]) -> li
     return hf_greedy(default_model_path, smol_prompts, 32)
 
 
+@pytest.mark.batch_invariant
 @pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_batched(make_llm: Callable[..., LLM], default_model_path: Path,
                                smol_prompts: list[list[int]], smol_expected: list[list[int]]) -> None:
@@ -60,6 +61,7 @@ def test_default_model_one_at_a_time(make_llm: Callable[..., LLM], smol_prompts:
     assert [generate_ids(llm, [p])[0] for p in smol_prompts] == smol_expected
 
 
+@pytest.mark.batch_invariant
 @pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_chunked_prefill(make_llm: Callable[..., LLM], smol_prompts: list[list[int]],
                                        smol_expected: list[list[int]]) -> None:
@@ -69,6 +71,7 @@ def test_default_model_chunked_prefill(make_llm: Callable[..., LLM], smol_prompt
     assert llm.engine.stats.steps > 0
 
 
+@pytest.mark.batch_invariant
 @pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_preemption(make_llm: Callable[..., LLM], smol_prompts: list[list[int]],
                                   smol_expected: list[list[int]]) -> None:
@@ -81,6 +84,7 @@ def test_default_model_preemption(make_llm: Callable[..., LLM], smol_prompts: li
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.batch_invariant
 @pytest.mark.slow  # the default model against transformers: the tiny models cover the inner loop
 def test_default_model_prefix_cache_hit(make_llm: Callable[..., LLM], default_model_path: Path,
                                         smol_prompts: list[list[int]], smol_expected: list[list[int]]) -> None:
@@ -95,6 +99,7 @@ def test_default_model_prefix_cache_hit(make_llm: Callable[..., LLM], default_mo
     assert all(o.num_cached_tokens >= 16 for o in outs)  # the shared system prompt
 
 
+@pytest.mark.batch_invariant
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path", "tiny_llama_sharded_path"])
 def test_tiny_models_match_transformers(make_llm: Callable[..., LLM], request: pytest.FixtureRequest,
                                         fixture: str) -> None:

@@ -1,6 +1,6 @@
-"""Every kernel variant the engine launches compiles for sm_80 and sm_90 without a GPU, and none spills on
-sm_90 (see tritium.kernels.compile_check); the variants are derived from the host wrappers
-with Triton's own binder."""
+"""Every kernel variant the engine launches compiles for sm_80 and sm_90 without a GPU, none spills on sm_90,
+and none needs more shared memory than sm_80, sm_86, sm_89 or sm_90 gives a block (see
+tritium.kernels.compile_check); the variants are derived from the host wrappers with Triton's own binder."""
 
 from __future__ import annotations
 
@@ -15,7 +15,19 @@ import pytest
 import torch
 
 from tritium.kernels import triton_ops
-from tritium.kernels.compile_check import Specializer, collect, recording
+from tritium.kernels.compile_check import (
+    ARCHS,
+    BLOCK_SIZES,
+    MODELS,
+    SHARED_MEMORY_LIMIT,
+    Case,
+    Specializer,
+    check_derived,
+    collect,
+    derive,
+    recording,
+    twin_key,
+)
 from tritium.kernels.decode_attention import SPLIT_CHOICES
 from tritium.kernels.token_bitmask import apply_token_bitmask
 
@@ -23,8 +35,10 @@ KERNELS = {"store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_
            "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel", "token_bitmask_kernel",
            "int8_gemm_kernel"}  # the W8A16 GEMM: the check builds every model shape as an int8 engine too
 DTYPES = ("fp16", "bf16", "fp32")
-ATTENTION = set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8)))  # dtype, head_dim, GQA group
-REDUCE = set(itertools.product(DTYPES, (64, 128), SPLIT_CHOICES))
+# dtype, head_dim, GQA group: the eight models in every dtype, head_dim 32 and 256 in bf16
+ATTENTION = set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8))) | {("bf16", 32, 4), ("bf16", 256, 2)}
+REDUCE = set(itertools.product(DTYPES, (64, 128), SPLIT_CHOICES)) | set(itertools.product(("bf16",), (32, 256),
+                                                                                          SPLIT_CHOICES))
 
 
 def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
@@ -37,6 +51,10 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
     built = {(r["dtype"], r["constexprs"]["HEAD_DIM"], r["constexprs"]["SPLITS"]) for r in mine
              if r["kernel"] == "decode_reduce_kernel"}
     assert built == REDUCE, REDUCE - built
+    for kernel in ("prefill_attention_kernel", "decode_split_kernel"):
+        pages = {r["constexprs"]["PAGE"] for r in mine if r["kernel"] == kernel and r["dtype"] == "bf16"
+                 and r["constexprs"]["HEAD_DIM"] == 128 and r["constexprs"]["GROUP"] == 4}
+        assert pages == set(BLOCK_SIZES), (kernel, pages)
     smol = {r["kernel"] for r in mine if "SmolLM2-135M" in r["models"]}
     assert smol == KERNELS
     bitmask = [r for r in mine if r["kernel"] == "token_bitmask_kernel"]
@@ -52,6 +70,34 @@ def test_the_check_covers_kernels_dtypes_head_dims_groups_and_splits() -> None:
     ]
     for arch in (80, 90):
         assert_covered(results, arch)
+
+
+def test_shared_memory_limits_are_the_opt_in_maxima_per_block() -> None:
+    # CUDA C++ Programming Guide: 163 KB on 8.0, 99 KB on 8.6 and 8.9, 227 KB on 9.0
+    assert SHARED_MEMORY_LIMIT == {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+    assert set(ARCHS) == set(SHARED_MEMORY_LIMIT)
+
+
+@pytest.mark.parametrize("arch", [86, 89])
+def test_sm86_and_sm89_variants_are_derived_from_sm80_twins_but_one(arch: int) -> None:
+    found = collect([80, arch], [Case(MODELS[0], "bf16", 16)])
+    for i, v in enumerate(v for v in found if v.arch == 80):
+        found[v].ok, found[v].shared, found[v].registers = True, 1000 * (i + 1), 32
+    to_build, derived = derive(found, arch, 80)
+    assert len(to_build) == 1 and len(derived) == sum(v.arch == arch for v in found) - 1
+    (probe,) = to_build
+    (twin,) = (found[v] for v in found if v.arch == 80 and twin_key(v) == twin_key(probe))
+    assert twin.shared == max(r.shared or 0 for r in found.values())  # the one needing the most is built
+    found[probe].ok, found[probe].shared = True, twin.shared
+    check_derived(found, arch, 80)
+    assert all(found[v].ok and found[v].derived_from == 80 for v in derived)
+    assert found[probe].derived_from is None and not found[probe].failed
+    found[probe].shared = twin.shared + 16  # a build for sm_86 that differed would fail the check
+    check_derived(found, arch, 80)
+    assert found[probe].failed and "shared memory" in (found[probe].error or "")
+    over = found[derived[0]]
+    over.shared = over.shared_limit + 1
+    assert over.failed
 
 
 def test_rms_norm_specialization_is_derived_from_the_wrapper() -> None:
@@ -93,7 +139,7 @@ def test_token_bitmask_specialization_is_derived_from_the_wrapper() -> None:
 
 
 @pytest.mark.slow
-def test_all_kernels_compile_for_sm80_and_sm90_without_spills() -> None:
+def test_all_kernels_compile_without_spills_within_shared_memory() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "tritium.kernels.compile_check", "--json"],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -102,7 +148,11 @@ def test_all_kernels_compile_for_sm80_and_sm90_without_spills() -> None:
     assert not failures, failures[:3]
     spills = [r for r in results if r["arch"] == 90 and (r["spill_stores"] or r["spill_loads"])]
     assert not spills, spills[:3]
+    over = [r for r in results if r["shared"] > r["shared_limit"]]
+    assert not over, over[:3]
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for arch in (80, 90):
+    for arch in ARCHS:
         assert_covered(results, arch)
     assert all(r["registers"] > 0 for r in results)
+    for arch in (86, 89):  # derived from sm_80 but one, compiled to check the derivation
+        assert [r["derived_from"] for r in results if r["arch"] == arch].count(None) == 1

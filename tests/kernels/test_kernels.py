@@ -121,6 +121,27 @@ def test_prefill_attention_block_sizes(block_size: int) -> None:
     run_prefill(torch.float32, 4, 2, 64, block_size, lens=[block_size + 3, 20], q_lens=[7, 20])
 
 
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_query_tile_order_is_a_permutation_longest_first(block_m: int) -> None:
+    # The kernel's slot -> tile mapping, as plain Python: every grid width the wrapper can launch for a longest
+    # run of up to 400 rows, every sequence length up to it. Each tile exactly once, the last one first.
+    from tritium.kernels.jit.prefill_attention import query_tile
+
+    for grid_rows in range(1, 401):
+        slots = -(-grid_rows // block_m)
+        for rows in range(grid_rows + 1):
+            tiles = [query_tile.fn(slot, rows, block_m) for slot in range(slots)]
+            run = [t for t in tiles if t >= 0]
+            assert run == list(range(-(-rows // block_m) - 1, -1, -1)), (grid_rows, rows)
+            assert tiles[len(run):] == [t for t in tiles if t < 0]
+
+
+def test_prefill_attention_many_query_tiles() -> None:
+    # 16-row tiles: 7, 1, 5 and 3 tiles per sequence (GQA 2), a chunk after cached keys, a tile count that is not
+    # the grid's: every tile of every sequence must be computed once.
+    run_prefill(torch.float32, 4, 2, 64, 16, lens=[50, 20, 60, 24], q_lens=[50, 7, 40, 24])
+
+
 def run_decode(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
                lens: list[int], num_splits: int | None, tiles: str = "auto") -> None:
     kc, vc, tables, _, _ = paged_setup(lens, block_size, kv_heads, head_dim)

@@ -35,6 +35,7 @@ ODD_BODIES: list[dict[str, Any]] = [
 LEAKS = re.compile(r"Traceback|Error:|Exception|\.py\b|File \"|0x[0-9a-f]{6,}|127\.0\.0\.1")
 
 
+@pytest.mark.batch_invariant
 def test_odd_requests_leave_a_running_stream_as_it_would_have_been_alone(server: Served) -> None:
     alone = grpc_stream(server.grpc, PROMPT, LONG)
     assert alone.finals == 1 and not alone.errors

@@ -14,14 +14,19 @@ from tritium.backend import LLM, EngineConfig
 from tritium.backend.models.config import ModelConfig
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.worker.memory_budget import (
+    CAPTURE_STREAM_WORKSPACE_BYTES,
     CUDA_OVERHEAD_BYTES,
+    SAMPLER_BYTES_PER_LOGIT,
     GiB,
     MiB,
     check_fits_one_sequence,
     check_free_memory,
     estimate_activation_bytes,
+    estimate_graph_pool_bytes,
+    estimate_sampler_bytes,
     kv_cache_budget,
     module_bytes,
+    plan_memory,
 )
 from tritium.client.triton.launcher import PACKAGE_REPOSITORY
 
@@ -100,3 +105,39 @@ def test_engine_that_cannot_hold_one_sequence_refuses_to_start(make_llm: Callabl
 def test_kv_cache_bytes_wins_over_gpu_memory_utilization(make_llm: Callable[..., LLM], tiny_llama_path: Path) -> None:
     llm = make_llm(str(tiny_llama_path), kv_cache_bytes=100 * TINY_BLOCK_BYTES, gpu_memory_utilization=0.01)
     assert llm.engine.block_manager.num_blocks == 100
+
+
+def _small_config() -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
+                       tie_word_embeddings=True, attention_bias=False)
+
+
+def test_the_plan_counts_the_graph_pool_and_the_sampler() -> None:
+    config = _small_config()
+    per_token = 4 * 64 + 2 * (4 + 2 * 2) * 16 + 4 * 16 + 3 * 128  # 960 elements, as above
+    # 8 GiB at 0.5, 1 GiB of weights, 512 tokens a step, 32 sequences, graphs up to 32 rows, bf16
+    plan = plan_memory(config, 8 * GiB, 0.5, GiB, 512, 32, 32, 2, overhead_bytes=512 * MiB)
+    activations = 2 * (512 * per_token * 2 + 32 * 1000 * (2 + 4))
+    graph_pool = 2 * (32 * per_token * 2) + CAPTURE_STREAM_WORKSPACE_BYTES  # the largest bucket, no logits
+    sampler = 32 * 1000 * SAMPLER_BYTES_PER_LOGIT
+    assert (plan.activations, plan.graph_pool, plan.sampler) == (activations, graph_pool, sampler)
+    assert plan.kv_cache == 4 * GiB - GiB - 512 * MiB - activations - graph_pool - sampler
+    assert plan.torch_bytes == GiB + plan.kv_cache + activations + graph_pool + sampler == 4 * GiB - 512 * MiB
+    eager = plan_memory(config, 8 * GiB, 0.5, GiB, 512, 32, 0, 2, overhead_bytes=512 * MiB)
+    assert eager.graph_pool == 0 and eager.kv_cache == plan.kv_cache + graph_pool
+
+
+def test_the_pool_and_sampler_estimates_by_hand() -> None:
+    config = _small_config()
+    assert estimate_graph_pool_bytes(config, 0, 2) == 0
+    assert estimate_graph_pool_bytes(config, 8, 2) == estimate_activation_bytes(config, 8, 0, 2) + 32 * MiB
+    # The default model (vocabulary 49,152) sampling 64 rows: 192 MiB of top-k / top-p temporaries.
+    assert estimate_sampler_bytes(64, 49152) == 64 * 49152 * 64 == 192 * MiB
+
+
+def test_a_plan_whose_terms_exceed_the_share_is_refused() -> None:
+    # 0.1 of 8 GiB is 819 MiB: the sampler alone (1,024 rows x 150k vocabulary x 64 B = 9.2 GiB) does not fit.
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.1 of 8.00 GiB"):
+        plan_memory(_small_config(), 8 * GiB, 0.1, 0, 512, 1024, 0, 2)

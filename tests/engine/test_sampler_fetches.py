@@ -1,0 +1,139 @@
+"""A sampler step waits for the device once: the sampled ids and every logprob asked for come back in one
+fetch, whatever the batch mixes (logprobs, penalties, seeded, constrained, min_tokens, random rows).
+
+On a CPU nothing waits, so the test counts what would on CUDA: every Tensor method that moves values to the
+host (item, tolist, cpu, numpy, truth and number conversions) and every copy to a device that is not
+non_blocking, each attributed to the innermost tritium frame that made it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tritium.backend
+import tritium.kernels
+from tritium.backend.sample.sampler import Sampler
+from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.structured_output.decoding import TokenMasks
+
+from support.builders import seq
+
+FETCHES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+VOCAB = 64
+ROOTS = [Path(m.__file__).resolve().parent for m in (tritium.backend, tritium.kernels)]
+
+
+def _caller() -> str | None:
+    """The innermost frame in tritium's engine or kernels, as `backend/sample/sampler.py:LINE`; None
+    outside them."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = Path(frame.filename).resolve()
+        for root in ROOTS:
+            if path.is_relative_to(root):
+                return f"{root.name}/{path.relative_to(root)}:{frame.lineno}"
+    return None
+
+
+def _blocking_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a `Tensor.to` call names a device and does not ask for non_blocking (on CUDA: a wait)."""
+    to_device = "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args)
+    return to_device and not (kwargs.get("non_blocking") or any(a is True for a in args))
+
+
+@contextmanager
+def counting_host_transfers() -> Iterator[list[str]]:
+    """Yields the list that collects, for each host fetch or blocking copy made from tritium's engine, its
+    method and frame."""
+    found: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in (*FETCHES, "to")}
+
+    def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            where = _caller()
+            if where is not None and (name != "to" or _blocking_copy(args, kwargs)):
+                found.append(f"{name} at {where}")
+            return method(self, *args, **kwargs)
+        return counted
+
+    for name, method in originals.items():
+        setattr(torch.Tensor, name, wrap(name, method))
+    try:
+        yield found
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+
+
+def mixed_batch(sampler: Sampler) -> list:
+    """Rows asking for every feature that could cost a wait: logprobs (greedy and random), penalties, a seed,
+    min_tokens bans, top-k/top-p/min-p, a plain greedy row and a constrained row (masked)."""
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logprobs=1),
+        SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+        SamplingParams(temperature=1.0, seed=7, min_p=0.05, logprobs=0),
+        SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[3]),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, logprobs=2),  # the constrained row
+    ]
+    seqs = []
+    for i, p in enumerate(params):
+        s = seq([1, 2, 3, 9], f"r{i}")
+        s.params = p
+        s.token_ids.extend([4, 4, 5])  # generated tokens, for the penalties
+        sampler.add_request(s.request_id, p.seed)
+        seqs.append(s)
+    return seqs
+
+
+def constrained_masks(row: int, allowed: list[int]) -> TokenMasks:
+    """The grammar mask of one row that allows only `allowed` (llguidance's bit layout, without llguidance)."""
+    bitmask = torch.zeros(1, VOCAB // 32, dtype=torch.int32)
+    for t in allowed:
+        bitmask[0, t // 32] |= 1 << (t % 32)
+    return TokenMasks([row], bitmask, torch.tensor([row]))
+
+
+def test_a_mixed_batch_fetches_once() -> None:
+    torch.manual_seed(0)
+    sampler = Sampler(eos_token_ids=[0])
+    seqs = mixed_batch(sampler)
+    logits = torch.randn(len(seqs), VOCAB)
+    from tritium.backend.sample.settings import row_settings_on
+
+    settings = row_settings_on(logits.device, seqs)  # staged with the step's inputs in the engine
+    masks = constrained_masks(6, [10, 20, 40])
+    with counting_host_transfers() as found:
+        out = sampler(logits, seqs, settings, masks)
+    # The CPU stand-in of the bitmask kernel reads its rows on the host; on CUDA a Triton kernel applies it.
+    waits = [f for f in found if " at kernels/reference.py:" not in f]
+    assert len(waits) <= 1, waits
+    assert all(e is None for e in out.errors), out.errors
+    assert out.token_ids[6] in {10, 20, 40}
+    assert out.token_ids[0] == int(logits[0].argmax())
+    for row, n in ((0, 3), (1, 1), (3, 0), (6, 2)):
+        entry = out.logprobs[row]
+        assert entry is not None and out.token_ids[row] in entry and len(entry) <= n + 1
+        raw = logits[row].log_softmax(-1)
+        assert all(entry[t] == pytest.approx(float(raw[t]), abs=1e-6) for t in entry)
+        assert set(raw.topk(n).indices.tolist()) <= set(entry) if n else True
+    assert [lp is None for lp in out.logprobs] == [False, False, True, False, True, True, False]
+
+
+def test_the_counter_sees_what_it_counts() -> None:
+    # The counter itself: a fetch and a blocking copy made from tritium's engine are both seen.
+    from tritium.backend.sample import sampler as sampler_module
+
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile("def fetch(t):\n    t.tolist()\n    return t.to('cpu')\n", sampler_module.__file__, "exec"), namespace)
+    with counting_host_transfers() as found:
+        namespace["fetch"](torch.ones(2))
+        torch.ones(2).tolist()  # the test's own fetch is not the engine's
+    assert [f.split(" at ")[0] for f in found] == ["tolist", "to"]
