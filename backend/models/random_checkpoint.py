@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,19 +38,10 @@ def write_random_llama(dest: Path, tokenizer_from: Path, num_layers: int = 2, hi
 
     tensors = {"model.embed_tokens.weight": rand(vocab, hidden_size), "model.norm.weight": torch.ones(hidden_size),
                "lm_head.weight": rand(vocab, hidden_size)}
+    ones = torch.ones(hidden_size)
     for i in range(num_layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": rand(num_heads * head_dim, hidden_size),
-            p + "self_attn.k_proj.weight": rand(num_kv_heads * head_dim, hidden_size),
-            p + "self_attn.v_proj.weight": rand(num_kv_heads * head_dim, hidden_size),
-            p + "self_attn.o_proj.weight": rand(hidden_size, num_heads * head_dim),
-            p + "mlp.gate_proj.weight": rand(intermediate_size, hidden_size),
-            p + "mlp.up_proj.weight": rand(intermediate_size, hidden_size),
-            p + "mlp.down_proj.weight": rand(hidden_size, intermediate_size),
-            p + "input_layernorm.weight": torch.ones(hidden_size),
-            p + "post_attention_layernorm.weight": torch.ones(hidden_size),
-        }
+        tensors |= layer_tensors(i, hidden_size, num_heads * head_dim, num_kv_heads * head_dim, intermediate_size,
+                                 lambda out_features, in_features: rand(out_features, in_features), ones)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
@@ -57,6 +49,24 @@ def write_random_llama(dest: Path, tokenizer_from: Path, num_layers: int = 2, hi
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, dest / name)
     return dest
+
+
+def layer_tensors(index: int, hidden: int, q_size: int, kv_size: int, intermediate: int,
+                  linear: Callable[[int, int], torch.Tensor], ones: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Decoder layer `index`'s tensors under Hugging Face Llama names: projections from `linear(out, in)`,
+    norms copies of `ones`."""
+    p = f"model.layers.{index}."
+    return {
+        p + "self_attn.q_proj.weight": linear(q_size, hidden),
+        p + "self_attn.k_proj.weight": linear(kv_size, hidden),
+        p + "self_attn.v_proj.weight": linear(kv_size, hidden),
+        p + "self_attn.o_proj.weight": linear(hidden, q_size),
+        p + "mlp.gate_proj.weight": linear(intermediate, hidden),
+        p + "mlp.up_proj.weight": linear(intermediate, hidden),
+        p + "mlp.down_proj.weight": linear(hidden, intermediate),
+        p + "input_layernorm.weight": ones.clone(),
+        p + "post_attention_layernorm.weight": ones.clone(),
+    }
 
 
 LLAMA_8B_LIKE = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -97,17 +107,7 @@ def write_random_like(dest: Path, source: Path, dtype: torch.dtype = torch.bfloa
         tensors["lm_head.weight"] = linear(vocab, hidden)
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": linear(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": linear(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": linear(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": linear(inter, hidden),
-            p + "mlp.up_proj.weight": linear(inter, hidden),
-            p + "mlp.down_proj.weight": linear(hidden, inter),
-            p + "input_layernorm.weight": ones.clone(),
-            p + "post_attention_layernorm.weight": ones.clone(),
-        }
+        tensors |= layer_tensors(i, hidden, heads * head_dim, kv_heads * head_dim, inter, linear, ones)
         if config.get("attention_bias"):
             tensors |= {p + "self_attn.q_proj.bias": torch.zeros(heads * head_dim, dtype=dtype),
                         p + "self_attn.k_proj.bias": torch.zeros(kv_heads * head_dim, dtype=dtype),

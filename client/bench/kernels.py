@@ -133,17 +133,26 @@ def sweep_configs(default: DecodeConfig) -> list[DecodeConfig]:
     return [default, *(c for c in grid if c != default)]
 
 
-def sweep_decode(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
-                 configs: list[DecodeConfig], deadline: float | None, smoke: bool) -> list[SweepPoint]:
-    """Time `ops.decode_attention` with each of `configs` (the first is the baseline) on one shape; a
-    configuration that raises, or whose output is not the baseline's within bf16/fp16 rounding, gets an error.
-    Configurations still waiting at `deadline` are left out."""
+
+def decode_inputs(device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
+                  smoke: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """A decode step's inputs at GQA 4 (2048 / head_dim query heads; 2 in smoke mode): q, the paged K and V
+    caches holding `context` random tokens for each of `batch` sequences, their block table, lengths and the
+    softmax scale."""
     heads = 2048 // head_dim if not smoke else 2
     kv_heads = max(1, heads // 4)
     k_cache, v_cache, table = paged_cache([context] * batch, kv_heads, head_dim, dtype, device)
     q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    scale = head_dim**-0.5
+    return q, k_cache, v_cache, table, lens, head_dim**-0.5
+
+def sweep_decode(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
+                 configs: list[DecodeConfig], deadline: float | None, smoke: bool) -> list[SweepPoint]:
+    """Time `ops.decode_attention` with each of `configs` (the first is the baseline) on one shape; a
+    configuration that raises, or whose output is not the baseline's within bf16/fp16 rounding, gets an error.
+    Configurations still waiting at `deadline` are left out."""
+    q, k_cache, v_cache, table, lens, scale = decode_inputs(device, dtype, head_dim, batch, context, smoke)
+    kv_heads = k_cache.shape[2]
     kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
     points: list[SweepPoint] = []
     baseline: torch.Tensor | None = None
@@ -217,12 +226,8 @@ def bench_prefill(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batc
 def bench_decode(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
                  peak: float | None, smoke: bool) -> DecodePoint:
     """Time `ops.decode_attention` and the torch reference on `batch` sequences of `context` cached tokens."""
-    heads = 2048 // head_dim if not smoke else 2
-    kv_heads = max(1, heads // 4)
-    k_cache, v_cache, table = paged_cache([context] * batch, kv_heads, head_dim, dtype, device)
-    q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    scale = head_dim**-0.5
+    q, k_cache, v_cache, table, lens, scale = decode_inputs(device, dtype, head_dim, batch, context, smoke)
+    kv_heads = k_cache.shape[2]
     ms = _time_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
     base_ms = _time_ms(lambda: reference.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
