@@ -48,7 +48,7 @@ def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.d
         plan = plan_memory(model.config, total, config.gpu_memory_utilization, weights,
                            config.max_num_batched_tokens, config.max_num_seqs, largest_graph_bucket, dtype.itemsize)
         budget = plan.kv_cache
-        check_free_memory(budget, plan.torch_bytes - weights - budget, free, config.gpu_memory_utilization)
+        check_free_memory(budget, plan.step_bytes, free, config.gpu_memory_utilization)
     elif budget is None:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // per_block

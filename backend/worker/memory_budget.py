@@ -135,9 +135,14 @@ class MemoryPlan:
     kv_cache: int  # the budget left for the KV cache
 
     @property
+    def step_bytes(self) -> int:
+        """What steps allocate beside the weights and the KV cache: activations, graph pool and sampler."""
+        return self.activations + self.graph_pool + self.sampler
+
+    @property
     def torch_bytes(self) -> int:
         """What torch's caching allocator is expected to reserve at most: everything but the overhead."""
-        return self.weights + self.kv_cache + self.activations + self.graph_pool + self.sampler
+        return self.weights + self.kv_cache + self.step_bytes
 
 
 def plan_memory(

@@ -76,7 +76,7 @@ class HostStep:
     logit_rows: list[int] = field(default_factory=list)
     update_index: list[int] = field(default_factory=list)  # block-table entries to write (flat index, block)
     update_value: list[int] = field(default_factory=list)
-    lora_slots: list[int] = field(default_factory=list)  # per row (LoRA on only): adapter slot, -1 for base
+    lora_slots: list[int] = field(default_factory=list)  # per row when a row has an adapter: its slot, -1 for base
 
 
 @dataclass
@@ -183,7 +183,9 @@ class ModelRunner:
         host.logit_rows = [last_row[id(s)] for s in batch if s.samples]
         host.update_index, host.update_value = tables.take_updates()
         num_decode = len(host.decode_rows)
-        graphable = num_decode == len(batch) and not any(slot >= 0 for slot in host.lora_slots)
+        if not any(slot >= 0 for slot in host.lora_slots):
+            host.lora_slots.clear()  # a base-only step stages no LoRA rows and may replay a graph
+        graphable = num_decode == len(batch) and not host.lora_slots
         return self._stage(host, self.graphs.bucket_for(num_decode) if graphable else None)
 
     def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
@@ -217,7 +219,7 @@ class ModelRunner:
             update_value=st.put(host.update_value),
             bucket=bucket,
         )
-        if any(slot >= 0 for slot in host.lora_slots):
+        if host.lora_slots:
             rows, step.lora_segments = lora_groups(host.lora_slots)
             step.lora_rows = st.put(rows)
         return step

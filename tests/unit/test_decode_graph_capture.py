@@ -7,7 +7,7 @@ stream each call ran on; the capture code itself is the engine's.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -57,19 +57,17 @@ class FakeCuda:
     def CUDAGraph(self) -> FakeGraph:
         return FakeGraph()
 
-    @contextmanager
-    def stream(self, stream: FakeStream) -> Iterator[None]:
-        before, self.current = self.current, stream
-        self.log.append(("warm-up", stream.number, None))
-        try:
-            yield
-        finally:
-            self.current = before
+    def stream(self, stream: FakeStream) -> AbstractContextManager[None]:
+        return self._on(stream, "warm-up", None)
+
+    def graph(self, graph: FakeGraph, pool: object, stream: FakeStream) -> AbstractContextManager[None]:
+        return self._on(stream, "capture", pool)
 
     @contextmanager
-    def graph(self, graph: FakeGraph, pool: object, stream: FakeStream) -> Iterator[None]:
+    def _on(self, stream: FakeStream, what: str, pool: object) -> Iterator[None]:
+        """`stream` is current inside; logs what ran on it (and into which pool)."""
         before, self.current = self.current, stream
-        self.log.append(("capture", stream.number, pool))
+        self.log.append((what, stream.number, pool))
         try:
             yield
         finally:
