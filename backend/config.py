@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tritium.backend.core.waiting_queue import SCHEDULING_POLICIES
 from tritium.backend.models.quantization import check_quantization
+from tritium.backend.spec.config import SpeculativeConfig
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -18,6 +20,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 128 << 10
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 << 20
 MAX_LORA_LIMIT = 256  # the bound of max_loras and max_lora_rank
+DEFAULT_PRIORITY_AGING_S = 10.0
 
 
 @dataclass
@@ -67,6 +70,14 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | None = None
+    # Speculative decoding (backend/spec/), vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}; None: off.
+    speculative_config: dict[str, object] | SpeculativeConfig | None = None
+    # Request priority (core/waiting_queue.py): "fcfs" serves in order of arrival (a request's priority must be
+    # 0); "priority" admits by priority (lower first, aged: one level better per priority_aging_s seconds waited)
+    # then arrival, and preempts running requests of a lower priority to make room for a waiting one.
+    scheduling_policy: str = "fcfs"
+    priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -95,7 +106,17 @@ class EngineConfig:
             raise ValueError(f"num_threads must be an integer >= 1 (or null: sized to the host), "
                              f"got {self.num_threads!r}")
         check_quantization(self.quantization)
+        SpeculativeConfig.parse(self.speculative_config)
         self._check_lora()
+        self._check_scheduling()
+
+    def _check_scheduling(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, SCHEDULING_POLICIES))}, "
+                             f"got {self.scheduling_policy!r}")
+        aging = self.priority_aging_s
+        if isinstance(aging, bool) or not isinstance(aging, (int, float)) or not 0 < aging < float("inf"):
+            raise ValueError(f"priority_aging_s must be a number of seconds > 0, got {aging!r}")
 
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

@@ -19,7 +19,10 @@ from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.output_processor import OutputProcessor
 from tritium.backend.outputs import RequestOutput
-from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.sampling_params import MAX_PRIORITY, SamplingParams
+from tritium.backend.spec.config import SpeculativeConfig
+from tritium.backend.spec.draft_model import DraftModel
+from tritium.backend.spec.speculator import Speculator
 from tritium.backend.structured_output.compiler import CompileCallback, GrammarCompiler
 from tritium.backend.tokenizer import Tokenizer
 from tritium.backend.worker.worker import StepResult, Worker
@@ -84,8 +87,16 @@ class LLMEngine:
             self.load_lora(name, folder)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            StopChecker(self.eos_token_ids), self.lora,
+            StopChecker(self.eos_token_ids), self.lora, config.scheduling_policy, config.priority_aging_s,
         )
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        drafter = None
+        if spec is not None and spec.model is not None:  # method "draft_model"
+            w = self.worker
+            drafter = DraftModel(spec.model, self.model_path, self.model_config, w.dtype, w.device,
+                                 self.max_model_len, w.num_blocks, config.block_size, w.runner.backend)
+        self.speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
+        self.scheduler.speculator = self.speculator
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -111,11 +122,13 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         matcher: llguidance.LLMatcher | None = None,
         lora_name: str | None = None,
+        priority: int | None = None,
     ) -> None:
         """Queue a request (text `prompt` or `prompt_token_ids`). `matcher`: its structured output compiled
         already (`compile_structured_output`); without it the grammar is compiled here. `lora_name`: the loaded
-        adapter it runs on (None: the base model). Raises ValueError naming the field and the rule for a bad
-        request (an unknown adapter: naming it); nothing is queued then."""
+        adapter it runs on (None: the base model). `priority`: lower runs first under scheduling_policy
+        "priority" (None: `params.priority`; under "fcfs" it must be 0). Raises ValueError naming the field and
+        the rule for a bad request (an unknown adapter: naming it); nothing is queued then."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -127,12 +140,16 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params)
+        priority = params.priority if priority is None else priority
+        self.check_priority(priority)
         adapter = self.lora_adapter(lora_name)
         self.worker.add_request(request_id, params, matcher)
-        seq = Sequence(request_id, prompt, ids, params, next(self._arrivals), lora=adapter)
+        seq = Sequence(request_id, prompt, ids, params, next(self._arrivals), lora=adapter, priority=priority)
         if adapter is not None:
             assert self.lora is not None
             self.lora.retain(adapter)
+        if self.speculator is not None:
+            seq.spec = self.speculator.new_state(params)
         self.outputs.add(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -194,6 +211,7 @@ class LLMEngine:
                 f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the model's context "
                 f"of {self.max_model_len} tokens; ask for at most {self.max_model_len - len(ids)} tokens"
             )
+        self.check_priority(params.priority)
         if params.structured_output is not None and \
                 (size := params.structured_output.source_bytes) > self.config.max_structured_output_bytes:
             raise ValueError(
@@ -205,6 +223,16 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache "
                 f"capacity of {self.kv_capacity_tokens} tokens"
             )
+
+    def check_priority(self, priority: int) -> None:
+        """Raises ValueError when a request may not have `priority`: not an integer in the bounds of
+        SamplingParams.priority, or not 0 while scheduling_policy is "fcfs" (as vLLM refuses it)."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority must be 0 (got {priority}): this model schedules first come first served "
+                             "(scheduling_policy \"fcfs\"); set scheduling_policy \"priority\" in its "
+                             "settings to use request priorities")
 
     def compile_structured_output(self, params: SamplingParams, done: CompileCallback) -> None:
         """Compile `params.structured_output` off the calling thread (any thread: the serving tokenizer thread
@@ -254,24 +282,44 @@ class LLMEngine:
             for s in batch.scheduled:
                 self._end(s.seq, "error")
             return [self.outputs.error_output(s.seq, MODEL_STEP_FAILED) for s in batch.scheduled]
-        self.scheduler.update(batch, result.token_ids)
-        return [self._process(seq, result, row) for row, seq in enumerate(batch.sampling)]
+        appended = self.scheduler.update(batch, result.token_ids, result.accepted or None)
+        return [self._process(seq, result, row, appended[row]) for row, seq in enumerate(batch.sampling)]
 
-    def _process(self, seq: Sequence, result: StepResult, row: int) -> RequestOutput:
-        """The output of a sequence that sampled (the scheduler already appended its token, `result`'s `row`):
-        text, stop strings, a complete grammar; whatever fails here ends this request alone with an error."""
+    def _process(self, seq: Sequence, result: StepResult, row: int, appended: int = 1) -> RequestOutput:
+        """The output of a sequence that sampled (the scheduler already appended its `appended` tokens: a
+        speculating sequence's accepted drafts, then `result`'s token of `row`): text, stop strings, a complete
+        grammar; whatever fails here ends this request alone with an error."""
         token, error = result.token_ids[row], result.errors[row]
         if error is None and token is not None:
             try:
-                stop_string = self.outputs.append_token(seq, token, result.logprobs[row])
+                stop_string = self._append_run(seq, result, row, max(appended, 1))
                 if stop_string or seq.finished or result.grammar_complete[row]:
                     self._end(seq, "stop")  # a stop string, the grammar's end, or the scheduler's stop (its reason)
-                return self.outputs.output(seq)
+                out = self.outputs.output(seq)
+                if out.finished and seq.spec is not None:
+                    out.spec_decoding = seq.spec.stats
+                return out
             except Exception:
                 logger.exception("processing the output of %s failed", seq.request_id)
                 error = "internal error while processing the generated token"
         self._end(seq, "error")
         return self.outputs.error_output(seq, error or "no token was sampled")
+
+    def _append_run(self, seq: Sequence, result: StepResult, row: int, n: int) -> bool:
+        """Detokenize the first `n` tokens of `row`'s run (accepted drafts, then the sampled token) one at a time;
+        at a stop string the run ends there and the tokens after it are dropped. Returns whether one appeared."""
+        accepted = result.accepted[row] if result.accepted else []
+        logprobs = result.accepted_logprobs[row] if result.accepted else []
+        run = [*accepted, result.token_ids[row]][:n]
+        for i, (token, lp) in enumerate(zip(run, [*logprobs, result.logprobs[row]][:n], strict=True)):
+            assert token is not None
+            if self.outputs.append_token(seq, token, lp):
+                if (after := n - 1 - i) > 0:
+                    del seq.token_ids[-after:]
+                    if seq.finished:  # the scheduler stopped it at a later token, which is gone now
+                        seq.finish_reason = "stop"
+                return True
+        return False
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """Finish `seq` with `reason` unless it already finished (the scheduler's reason then stands), and drop

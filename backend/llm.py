@@ -22,7 +22,8 @@ class LLM:
 
     `model=None` is the embedded default (SmolLM2-135M-Instruct); otherwise a Hugging Face
     Llama-family folder. Other keyword arguments are EngineConfig fields (LoRA adapters: `enable_lora=True`,
-    `lora_modules={name: folder}`, then `lora_name=` per generate call).
+    `lora_modules={name: folder}`, then `lora_name=` per generate call; speculative decoding:
+    `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`).
     """
 
     def __init__(
@@ -51,9 +52,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_name: str | Seq[str | None] | None = None,
+        priority: int | Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order. `lora_name`: the
-        loaded adapter every prompt runs on, or one name (None: the base model) per prompt.
+        loaded adapter every prompt runs on, or one name (None: the base model) per prompt. `priority`: one for
+        every prompt or one per prompt (lower runs first; needs scheduling_policy="priority"); None: each
+        sampling params' own.
 
         Raises ValueError for an invalid prompt, parameter or adapter name before any request is queued."""
         if isinstance(prompts, str) or (
@@ -73,14 +77,21 @@ class LLM:
             loras = list(lora_name)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
+        if priority is None or isinstance(priority, int):
+            priorities: list[int | None] = [priority] * len(prompts)
+        else:
+            priorities = list(priority)
+            if len(priorities) != len(prompts):
+                raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+            for rid, prompt, p, lora, prio in zip(ids, prompts, params, loras, priorities, strict=True):
                 if isinstance(prompt, str):
-                    self.engine.add_request(rid, prompt, p, lora_name=lora)
+                    self.engine.add_request(rid, prompt, p, lora_name=lora, priority=prio)
                 else:
-                    self.engine.add_request(rid, None, p, prompt_token_ids=list(prompt), lora_name=lora)
+                    self.engine.add_request(rid, None, p, prompt_token_ids=list(prompt), lora_name=lora,
+                                            priority=prio)
                 added.append(rid)
         except ValueError:
             for rid in added:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tritium.backend.spec.acceptance import SpecDecodingStats
+
 
 @dataclass
 class RequestOutput:
@@ -28,3 +30,6 @@ class RequestOutput:
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # Speculative decoding's figures of this request (vLLM's per-request names), on the final output of a
+    # request that could speculate; None otherwise.
+    spec_decoding: SpecDecodingStats | None = None

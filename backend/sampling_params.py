@@ -21,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_PRIORITY = 2**31 - 1  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY] (an INT32 input)
 GREEDY_BELOW_TEMPERATURE = 1e-5  # dividing logits by less would overflow them: such a request is greedy
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # keep penalized logits finite
@@ -63,6 +64,8 @@ class SamplingParams:
     logprobs: int | None = field(default=None, metadata=_bounds(ge=0, le=MAX_LOGPROBS))
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar the output matches
+    # Lower runs first under the engine's "priority" scheduling policy; an engine on "fcfs" takes only 0.
+    priority: int = field(default=0, metadata=_bounds(ge=-MAX_PRIORITY, le=MAX_PRIORITY))
 
     def __post_init__(self) -> None:
         if self.structured_output is not None:

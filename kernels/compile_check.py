@@ -78,7 +78,8 @@ class ModelShape(NamedTuple):
         from tritium.kernels.warmup import EngineShape
 
         return EngineShape(self.heads, self.kv_heads, self.head_dim, self.hidden, self.intermediate, self.rotary_dim,
-                           block_size, max_blocks_per_seq, dtype, vocab_size=self.vocab, quantization="int8")
+                           block_size, max_blocks_per_seq, dtype, vocab_size=self.vocab, quantization="int8",
+                           lora_rank=16)
 
 
 # The default model and Llama/Qwen shapes covering GQA groups 1, 3, 4, 8 at head_dim 64 and 128, with their

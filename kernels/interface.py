@@ -57,6 +57,31 @@ class KernelOps(Protocol):
         accumulation (int8 weight-only quantization, backend/models/quantization.py)."""
         ...
 
+    def lora_shrink(self, x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, token_indices: torch.Tensor,
+                    seg_starts: torch.Tensor, seg_slots: torch.Tensor, buffer: torch.Tensor, max_rows: int) -> None:
+        """LoRA shrink over segments of one slot each (kernels/lora.py): `buffer[i] = scaling[s] *
+        x[token_indices[i]] @ A[s]^T`, segment j = places `seg_starts[j]:seg_starts[j+1]` of slot `seg_slots[j]`;
+        `max_rows`: the longest segment. A `[slots, rank, in]`, scaling fp32 `[slots]`, buffer `[rows, rank]`."""
+        ...
+
+    def lora_expand(self, buffer: torch.Tensor, lora_b: torch.Tensor, token_indices: torch.Tensor,
+                    seg_starts: torch.Tensor, seg_slots: torch.Tensor, y: torch.Tensor, max_rows: int) -> None:
+        """LoRA expand over the same segments, in place: `y[token_indices[i]] += buffer[i] @ B[s]^T`, B
+        `[slots, out, rank]`; y `[T, out]` may be a strided column slice. Other rows of y are not touched."""
+        ...
+
+    def lora_shrink_rows(self, x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, row_slots: torch.Tensor,
+                         buffer: torch.Tensor) -> None:
+        """LoRA shrink with one adapter per row: `buffer[t] = scaling[s] * x[t] @ A[s]^T` where `row_slots[t] = s`
+        (-1: none, skipped). A fixed grid per row count: CUDA-graph capturable."""
+        ...
+
+    def lora_expand_rows(self, buffer: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor,
+                         y: torch.Tensor) -> None:
+        """LoRA expand with one adapter per row, in place: `y[t] += buffer[t] @ B[s]^T` where `row_slots[t] = s`
+        (-1: the row is not touched)."""
+        ...
+
 
 OP_NAMES = ("store_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-            "apply_token_bitmask", "int8_gemm")
+            "apply_token_bitmask", "int8_gemm", "lora_shrink", "lora_expand", "lora_shrink_rows", "lora_expand_rows")

@@ -236,3 +236,42 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 def int8_gemm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W8A16 reference: `a` `[M, K]` @ `(q int8 [N, K] * scale fp32 [N, None]).T` in fp32, returned in a's dtype."""
     return (a.float() @ (q.float() * scale.float()[:, None]).T).to(a.dtype)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, token_indices: torch.Tensor,
+                seg_starts: torch.Tensor, seg_slots: torch.Tensor, buffer: torch.Tensor, max_rows: int) -> None:
+    """LoRA shrink reference: `buffer[i] = scaling[s] * x[token_indices[i]] @ A[s]^T` over each segment
+    (slot `seg_slots[j]`, places `seg_starts[j]:seg_starts[j+1]`), fp32 accumulation (reads the segments on the
+    host; backend/lora/ops.py has the engine's synchronization-free form)."""
+    starts = seg_starts.tolist()
+    for j, slot in enumerate(seg_slots.tolist()):
+        rows = token_indices[starts[j] : starts[j + 1]].long()
+        out = (x.index_select(0, rows).float() @ lora_a[slot].float().t()) * scaling[slot].float()
+        buffer[starts[j] : starts[j + 1]] = out.to(buffer.dtype)
+
+
+def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_indices: torch.Tensor, seg_starts: torch.Tensor,
+                seg_slots: torch.Tensor, y: torch.Tensor, max_rows: int) -> None:
+    """LoRA expand reference: `y[token_indices[i]] += buffer[i] @ B[s]^T` over each segment, in place (fp32
+    accumulation, then y's dtype)."""
+    starts = seg_starts.tolist()
+    for j, slot in enumerate(seg_slots.tolist()):
+        rows = token_indices[starts[j] : starts[j + 1]].long()
+        delta = buffer[starts[j] : starts[j + 1]].float() @ lora_b[slot].float().t()
+        y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+def lora_shrink_rows(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, row_slots: torch.Tensor,
+                     buffer: torch.Tensor) -> None:
+    """Per-row LoRA shrink reference: `buffer[t] = scaling[s] * x[t] @ A[s]^T` where `row_slots[t] = s >= 0`
+    (other rows of buffer are left as they are)."""
+    for t, slot in enumerate(row_slots.tolist()):
+        if slot >= 0:
+            buffer[t] = ((lora_a[slot].float() @ x[t].float()) * scaling[slot].float()).to(buffer.dtype)
+
+
+def lora_expand_rows(buffer: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor, y: torch.Tensor) -> None:
+    """Per-row LoRA expand reference: `y[t] += buffer[t] @ B[s]^T` where `row_slots[t] = s >= 0`, in place."""
+    for t, slot in enumerate(row_slots.tolist()):
+        if slot >= 0:
+            y[t] = (y[t].float() + lora_b[slot].float() @ buffer[t].float()).to(y.dtype)

@@ -8,7 +8,9 @@ views into one fused qkv output of the model dtype, the rotary cache is fp32, bl
 cu_seqlens int32, positions and slots `index_dtype` (int32, as the engine stages them). The token bitmask
 (kernels/token_bitmask.py) is applied to fp32 logits of the engine's vocabulary size, its `rows` either
 int32 or int64 (the contract takes both), so both variants are built. An int8-quantized engine
-(`EngineShape.quantization`) also builds the W8A16 GEMM at its projections' sizes (`int8_gemm_calls`).
+(`EngineShape.quantization`) also builds the W8A16 GEMM at its projections' sizes (`int8_gemm_calls`); a LoRA
+engine (`EngineShape.lora_rank`) the LoRA shrink / expand at each target module's sizes (`lora_calls`; the decode
+graphs' per-row form is also built by their capture).
 `tritium.kernels.compile_check` compiles exactly these calls for sm_80/sm_90.
 """
 
@@ -51,6 +53,7 @@ class EngineShape:
     index_dtype: torch.dtype = torch.int32
     vocab_size: int = 49152
     quantization: str | None = None  # "int8": the W8A16 GEMM of every linear layer and the logits head
+    lora_rank: int | None = None  # max_lora_rank of a LoRA engine: the shrink / expand kernels
 
 
 def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT_CHOICES) -> list[OpCall]:
@@ -90,6 +93,8 @@ def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT
     ]
     if shape.quantization == "int8":
         calls += int8_gemm_calls(shape)
+    if shape.lora_rank is not None:
+        calls += lora_calls(shape, shape.lora_rank)
     for splits in split_choices:
         kwargs = {} if splits is None else {"num_splits": splits}
         calls.append(OpCall("decode_attention", (q[:1], key_cache, value_cache, block_tables, seq_lens[:1], scale),
@@ -129,4 +134,33 @@ def int8_gemm_calls(shape: EngineShape) -> list[OpCall]:
         scale = torch.ones(n, dtype=torch.float32, device=dev)
         calls += [OpCall("int8_gemm", (torch.zeros(rows, k, dtype=shape.dtype, device=dev), weight, scale))
                   for rows in (1, 32)]
+    return calls
+
+
+def lora_calls(shape: EngineShape, max_rank: int, slots: int = 2) -> list[OpCall]:
+    """The LoRA shrink and expand (segmented and per row) at each target module's (in, out) (q, k/v, o, gate/up,
+    down; y a column slice of its fused output, as the model passes it), with stacks of `max_rank` over
+    `slots` slots and int32 indices (the staging buffer's)."""
+    dev = torch.device(shape.device)
+    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, inter = shape.hidden_size, shape.intermediate_size
+    # (in, out, the fused output's width, the slice's first column)
+    qkv = q_size + 2 * kv_size
+    modules = {(h, q_size, qkv, 0), (h, kv_size, qkv, q_size), (h, kv_size, qkv, q_size + kv_size), (q_size, h, h, 0),
+               (h, inter, 2 * inter, 0), (h, inter, 2 * inter, inter), (inter, h, h, 0)}
+    rows = torch.zeros(2, dtype=torch.int32, device=dev)
+    starts = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+    seg_slots = torch.zeros(1, dtype=torch.int32, device=dev)
+    scaling = torch.ones(slots, dtype=torch.float32, device=dev)
+    calls = []
+    for d_in, d_out, width, first in sorted(modules):
+        a = torch.zeros(slots, max_rank, d_in, dtype=shape.dtype, device=dev)
+        b = torch.zeros(slots, d_out, max_rank, dtype=shape.dtype, device=dev)
+        x = torch.zeros(2, d_in, dtype=shape.dtype, device=dev)
+        y = torch.zeros(2, width, dtype=shape.dtype, device=dev)[:, first : first + d_out]
+        buffer = torch.zeros(2, max_rank, dtype=shape.dtype, device=dev)
+        calls += [OpCall("lora_shrink", (x, a, scaling, rows, starts, seg_slots, buffer, 2)),
+                  OpCall("lora_expand", (buffer, b, rows, starts, seg_slots, y, 2)),
+                  OpCall("lora_shrink_rows", (x, a, scaling, rows, buffer)),
+                  OpCall("lora_expand_rows", (buffer, b, rows, y))]
     return calls

@@ -110,15 +110,28 @@ class BlockManager:
                 self.hashes[block] = h
                 self.cached[h] = block
 
+    def trim(self, seq: Sequence) -> None:
+        """Drop `seq`'s blocks wholly beyond its tokens (those a verification step's rejected drafts took). The
+        table becomes a new list, so the device row rewrites itself (block_tables.py)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        for block in reversed(seq.block_table[keep:]):
+            self._unref(block)
+        seq.block_table = seq.block_table[:keep]
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+            if self.hashes[block] is None:
+                self.free.move_to_end(block, last=False)
+
     def free_sequence(self, seq: Sequence) -> None:
         """Drop `seq`'s references (tail first, so the tail is evicted first) and reset it to no
         computed tokens."""
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free[block] = None
-                if self.hashes[block] is None:
-                    self.free.move_to_end(block, last=False)
+            self._unref(block)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

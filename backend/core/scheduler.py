@@ -6,6 +6,11 @@ budget and blocks last; a prompt longer than the remaining budget is split into 
 steps. When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later (its prefix may still be cached).
 
+Under the "priority" scheduling policy (waiting_queue.py) the waiting queue is ordered by priority (aged) then
+arrival, a waiting sequence that finds no seat or no blocks preempts running sequences of a strictly lower
+priority (the lowest first, then the newest; `_make_room`), and a running sequence out of blocks preempts the
+lowest-priority one instead of the newest. "fcfs" (the default) is the order of arrival.
+
 A sequence on a LoRA adapter is admitted only once its adapter has a device slot (`LoraManager.acquire`);
 until then it waits and the sequences behind it may go first. It holds the slot while it runs (preempted or
 finished: released), so a resident adapter in use is never evicted.
@@ -13,24 +18,28 @@ finished: released), so a resident adapter in use is never evicted.
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tritium.backend.core.block_manager import BlockManager
 from tritium.backend.core.sequence import Sequence, SequenceStatus
 from tritium.backend.core.stop_checker import StopChecker
+from tritium.backend.core.waiting_queue import make_waiting_queue, outranks, priority_key
 from tritium.backend.lora.manager import LoraManager
+from tritium.backend.spec.speculator import Speculator
 
 
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # its drafts included
+    draft: list[int] = field(default_factory=list)  # speculative tokens run after its last token (backend/spec/)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -38,6 +47,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)  # the scheduled sequences that sample a token
+    drafts: list[list[int]] = field(default_factory=list)  # aligned with `sampling`: each one's draft tokens
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +64,9 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         stop_checker: StopChecker | None = None,
         lora: LoraManager | None = None,
+        scheduling_policy: str = "fcfs",
+        priority_aging_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.blocks = block_manager
         self.stop_checker = stop_checker or StopChecker([])
@@ -61,13 +74,18 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.lora = lora
-        self.waiting: deque[Sequence] = deque()
+        self.speculator: Speculator | None = None  # speculative decoding (backend/spec/): the engine sets it
+        self.waiting = make_waiting_queue(scheduling_policy, priority_aging_s)
+        self.by_priority = scheduling_policy == "priority"
+        self.priority_aging_s = priority_aging_s
+        self.clock = clock  # stamps each sequence's arrival_time, from which its priority ages
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` behind the waiting ones."""
-        self.waiting.append(seq)
+        """Queue `seq` behind the waiting ones (under "priority": at its place)."""
+        seq.arrival_time = self.clock()
+        self.waiting.add(seq)
 
     def has_unfinished(self) -> bool:
         """Whether a sequence waits or runs."""
@@ -78,29 +96,32 @@ class Scheduler:
         sequences preempted to make room; nothing scheduled when nothing can run."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        made_room = self._make_room(out) if self.by_priority else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = self._draft(seq, num_new, budget)
+            num_new += len(draft)
             while not self.blocks.allocate(seq, num_new):
-                victim = self.running.pop()
+                victim = self._pop_victim(i)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+                out.scheduled.append(ScheduledSequence(seq, num_new, draft))
                 budget -= num_new
                 i += 1
                 continue
             break
-        if out.preempted:
+        if len(out.preempted) > made_room:
             return self._with_sampling(out)
         no_slot: list[Sequence] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if not self._acquire_adapter(seq):
-                no_slot.append(self.waiting.popleft())
+                no_slot.append(self.waiting.pop())
                 continue
             if seq.num_computed_tokens == 0:
                 seq.num_cached_tokens = self.blocks.match_prefix(seq)
@@ -117,33 +138,114 @@ class Scheduler:
                 self.blocks.free_sequence(seq)
                 self._release_adapter(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(no_slot))
+        self.waiting.push_front(no_slot)
         return self._with_sampling(out)
+
+    def _pop_victim(self, i: int) -> Sequence:
+        """Take the running sequence to preempt when `running[i]` needs blocks that are not free: the newest;
+        under "priority" the lowest-priority (aged), then newest, of `running[i:]` (those before are scheduled)."""
+        if not self.by_priority:
+            return self.running.pop()
+        tail = self.running[i:]
+        victim = max(tail, key=lambda s: priority_key(s, self.priority_aging_s))
+        self.running.remove(victim)
+        return victim
+
+    def _make_room(self, out: SchedulerOutput) -> int:
+        """Under "priority", before this step's batch is built: for the waiting sequences, best first, that find
+        no seat or no blocks for their first chunk, preempt the running sequences they outrank (`outranks`:
+        a strictly lower priority), lowest first, when that makes enough room; stop at the first that cannot get
+        room (it waits, and so do those behind it). Returns how many were preempted (in `out.preempted`)."""
+        aging = self.priority_aging_s
+        seats = self.max_num_seqs - len(self.running)
+        free = self.blocks.num_free_blocks
+        budget = self.max_num_batched_tokens - sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        made = 0
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            if seq.lora is not None and seq.lora_slot < 0 and \
+                    (self.lora is None or self.lora.num_pinned() >= self.lora.max_loras):
+                continue  # it may have to wait for an adapter slot: room made for it could stay unused
+            tokens = seq.num_tokens - seq.num_computed_tokens
+            if self.enable_chunked_prefill:
+                tokens = min(tokens, budget)
+            elif tokens > budget:
+                break
+            need = self.blocks.blocks_needed(seq.num_computed_tokens + tokens) - len(seq.block_table)
+            victims = sorted((r for r in self.running if outranks(seq, r, aging)),
+                             key=lambda r: priority_key(r, aging), reverse=True)
+            taken: list[Sequence] = []
+            while (seats < 1 or free < need) and len(taken) < len(victims):
+                victim = victims[len(taken)]
+                taken.append(victim)
+                seats += 1
+                free += sum(1 for b in victim.block_table if self.blocks.ref_counts[b] == 1)
+            if seats < 1 or free < need:
+                break
+            for victim in taken:
+                budget += victim.num_tokens - victim.num_computed_tokens
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+            made += len(taken)
+            seats -= 1
+            free -= need
+            budget -= tokens
+        return made
 
     @staticmethod
     def _with_sampling(out: SchedulerOutput) -> SchedulerOutput:
         out.sampling = [s.seq for s in out.scheduled if s.samples]
+        out.drafts = [s.draft for s in out.scheduled if s.samples]
         return out
 
-    def update(self, out: SchedulerOutput, tokens: list[int | None]) -> None:
+    def _draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a running sequence that decodes this step (one new token), with blocks allocated for
+        them; [] when it does not speculate now or its drafts find no blocks (it then decodes plainly)."""
+        if self.speculator is None or num_new != 1 or seq.spec is None:
+            return []
+        return self.speculator.propose(seq, budget - 1, lambda n: self.blocks.allocate(seq, n))
+
+    def update(self, out: SchedulerOutput, tokens: list[int | None],
+               accepted: list[list[int]] | None = None) -> list[int]:
         """After the forward pass of `out`: count the computed tokens and commit the blocks they filled;
         append each sampled token (`tokens` is aligned with `out.sampling`; None: that sequence got no
-        token, the engine ends it) and finish the sequences the stop checker stops."""
+        token, the engine ends it), after the drafts verification kept (`accepted`, aligned too; None: no
+        sequence speculated), one at a time through the stop checker (a stop cuts the run there), and finish
+        the sequences it stops. A speculating sequence's rejected drafts are not computed tokens, and blocks
+        wholly beyond its tokens are freed. Returns how many tokens each sampling sequence got."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft)  # drafts count once accepted
             self.blocks.commit_full_blocks(s.seq)
-        for seq, token in zip(out.sampling, tokens, strict=True):
+        appended: list[int] = []
+        for row, (seq, token) in enumerate(zip(out.sampling, tokens, strict=True)):
             if token is None or seq.finished:
+                appended.append(0)
                 continue
-            seq.token_ids.append(token)
-            reason = self.stop_checker.check(seq)
-            if reason is not None:
-                self.finish(seq, reason)
+            kept = accepted[row] if accepted is not None else []
+            draft = out.drafts[row] if out.drafts else []
+            if draft and self.speculator is not None:
+                self.speculator.record(seq, len(draft), len(kept))
+            n = 0
+            for t in (*kept, token):
+                seq.token_ids.append(t)
+                n += 1
+                reason = self.stop_checker.check(seq)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            appended.append(n)
+            if seq.spec is not None and not seq.finished:
+                seq.num_computed_tokens += len(kept)
+                self.blocks.trim(seq)  # blocks the rejected drafts took (or drafts that never came) go back
+                self.blocks.commit_full_blocks(seq)
+        return appended
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """Whether `seq` may run as far as its adapter goes: it has none, or its adapter got a slot."""
@@ -168,7 +270,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push_front([seq])
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished with `reason`, drop it from the queues and free its blocks."""

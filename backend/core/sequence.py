@@ -10,6 +10,7 @@ from tritium.backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tritium.backend.lora.adapter import LoraAdapter
+    from tritium.backend.spec.acceptance import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +41,9 @@ class Sequence:
     num_preemptions: int = 0
     lora: LoraAdapter | None = None
     lora_slot: int = -1
+    spec: SpecState | None = None  # speculative decoding's draft length and figures (None: it never speculates)
+    priority: int = 0  # lower runs first under the "priority" scheduling policy (waiting_queue.py)
+    arrival_time: float = 0.0  # the scheduler's clock when it was queued (its priority ages from then)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

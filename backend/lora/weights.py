@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tritium.backend.lora.adapter import MODULES, LoraAdapter, module_shapes
-from tritium.backend.lora.ops import LoraGroups, add_lora
+from tritium.backend.lora.ops import LoraGroups, Segment, add_lora, add_lora_rows
 from tritium.backend.models.config import ModelConfig
+from tritium.kernels.interface import KernelOps
 
 # The engine's fused projections and the PEFT modules whose outputs are their column slices, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -66,20 +67,38 @@ def _slices(shapes: dict[str, tuple[int, int]], parts: tuple[str, ...]) -> list[
 
 @dataclass
 class LoraBatch:
-    """One step's adapter rows (`groups`, by slot) over `stacks`. The runner builds it only when the step has
-    adapter rows, so base-only steps run the projections untouched."""
+    """One step's adapter rows over `stacks`: grouped by slot (`groups`, eager steps) or one slot per row on the
+    device (`row_slots`, -1 for none: decode steps captured as CUDA graphs, which run every module of every row
+    since the slots are not known when the graph is captured). `kernels`: the ops module running shrink and
+    expand (lora/ops.py; None: torch). The runner builds it only when the step has adapter rows, so base-only
+    steps run the projections untouched."""
 
-    groups: LoraGroups
+    groups: LoraGroups | None
     stacks: LoraStacks
+    row_slots: torch.Tensor | None = None
+    kernels: KernelOps | None = None
+    _subsets: dict[tuple[Segment, ...], LoraGroups] = field(default_factory=dict, repr=False)  # torch form's
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the adapters' deltas to `y`, the output of the fused projection `proj` (qkv_proj, o_proj,
         gate_up_proj, down_proj) of `layer` for input rows `x`, slice by slice, in place. Slots whose adapter
-        does not target a module are left out of its slice (their weights there are zeros)."""
+        does not target a module are left out of its slice (their weights there are zeros); with kernels, a
+        module no slot of the step targets is skipped."""
         stacks, groups = self.stacks, self.groups
         a, b = stacks.a[layer], stacks.b[layer]
         for module, start, end in stacks.slices[proj]:
+            if groups is None:
+                assert self.row_slots is not None
+                add_lora_rows(y[:, start:end], x, self.row_slots, a[module], b[module], stacks.scaling, self.kernels)
+                continue
             segments = [seg for seg in groups.segments if (layer, module) in stacks.targets[seg[0]]]
-            if segments:
-                add_lora(y[:, start:end], x, LoraGroups(groups.token_indices, segments), a[module], b[module],
-                         stacks.scaling)
+            if not segments:
+                continue
+            if self.kernels is not None:  # the staged device segments, all of them (zeros add nothing)
+                add_lora(y[:, start:end], x, groups, a[module], b[module], stacks.scaling, self.kernels)
+            else:
+                key = tuple(segments)  # the same few subsets recur in every layer: their padded form is kept
+                subset = self._subsets.get(key)
+                if subset is None:
+                    subset = self._subsets[key] = LoraGroups(groups.token_indices, segments)
+                add_lora(y[:, start:end], x, subset, a[module], b[module], stacks.scaling)

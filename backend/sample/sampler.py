@@ -100,9 +100,11 @@ class Sampler:
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling each sequence alone", len(seqs))
         out = SamplerOutput([], [], [])
+        rewound: set[int] = set()  # a speculating request has several rows on one generator: rewind it once
         for row, (seq, gen, state) in enumerate(zip(seqs, gens, states, strict=True)):
-            if gen is not None and state is not None:
+            if gen is not None and state is not None and id(gen) not in rewound:
                 gen.set_state(state)
+                rewound.add(id(gen))
             try:
                 one = self._sample_batch(logits[row : row + 1], [seq], row_settings_on(logits.device, [seq]),
                                          masks.for_row(row) if masks is not None else None)

@@ -32,6 +32,7 @@ from tritium.backend.serving.heap import heap_trimmer
 from tritium.backend.serving.jobs import (
     ENGINE_FAILED,
     Delivery,
+    EngineCall,
     ErrorKind,
     Job,
     LoopObserver,
@@ -65,6 +66,7 @@ class EngineLoop:
         self._queue: deque[Job] = deque()
         self._admitting: deque[Job] = deque()  # taken from the queue by the engine thread, not yet admitted
         self._active: dict[str, Job] = {}  # in the engine (the engine thread's)
+        self._calls: deque[EngineCall] = deque()  # lora_admin actions for the engine thread to run between steps
         self._cond = threading.Condition()
         self._stopping = False
         # Engine thread -> response thread: deliveries by request id; response thread -> engine thread: aborts.
@@ -116,6 +118,17 @@ class EngineLoop:
                 self._observe(self.observer.on_refused)
             self._fail(job, *refusal)
 
+    def submit_call(self, call: EngineCall) -> None:
+        """Run `call` on the engine thread before its next step (any thread may submit), or answer it at once with
+        an error when the engine failed or the model is shutting down."""
+        with self._cond:
+            refusal = self._refusal()
+            if refusal is None:
+                self._calls.append(call)
+                self._cond.notify_all()
+        if refusal is not None:
+            self._fail(call, *refusal)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the threads; every queued or running job gets a final error response."""
         with self._cond:
@@ -127,8 +140,15 @@ class EngineLoop:
         self._close_outbox()
         if self._response_thread.ident is not None:
             self._response_thread.join(timeout)
-        for job in self._take_all():
+        pending: list[Job | EngineCall] = [*self._take_all(), *self._take_calls()]
+        for job in pending:
             self._fail(job, "the model is shutting down", ErrorKind.UNAVAILABLE)
+
+    def _take_calls(self) -> list[EngineCall]:
+        with self._cond:
+            calls = list(self._calls)
+            self._calls.clear()
+        return calls
 
     def _take_waiting(self) -> list[Job]:
         """The jobs not in the engine yet (being tokenized or compiled, queued, being admitted), taken out of
@@ -234,12 +254,16 @@ class EngineLoop:
             if not self._queue and not self._active:  # going idle: free heap pages
                 self._trim_heap()
             with self._cond:
-                while not self._stopping and not self._queue and not self._active:
+                while not self._stopping and not self._queue and not self._active and not self._calls:
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     return
                 self._admitting.extend(self._queue)
                 self._queue.clear()
+                calls = list(self._calls)
+                self._calls.clear()
+            for call in calls:
+                self._run_call(call)
             self.engine.worker.faults.check_loop(job.prompt for job in self._admitting)
             self._admit()
             self._abort_requested()
@@ -262,8 +286,30 @@ class EngineLoop:
             for job in engine_jobs:
                 self._outbox[job.request_id] = Delivery(job, error=error)
             self._outbox_cond.notify_all()
-        for job in self._take_waiting():
-            self._fail(job, *error)
+        waiting: list[Job | EngineCall] = [*self._take_waiting(), *self._take_calls()]
+        for pending in waiting:
+            self._fail(pending, *error)
+
+    def _run_call(self, call: EngineCall) -> None:
+        """Run a call on the engine thread and answer it: its text, or its ValueError's message (the request's
+        fault, e.g. an adapter that does not fit); anything else is logged and answered as an internal error."""
+        try:
+            text = call.run(self.engine)
+        except ValueError as exc:
+            self._fail(call, f"invalid request: {exc}", ErrorKind.INVALID)
+            return
+        except Exception:
+            logger.exception("engine call %s failed", call.request_id)
+            self._fail(call, "internal error while running the request", ErrorKind.INTERNAL)
+            return
+        with self._fail_lock:
+            if call.closed:
+                return
+            call.closed = True
+        try:
+            call.sink.send_text(text)
+        except Exception:
+            logger.exception("could not send the response of %s", call.request_id)
 
     def _admit(self) -> None:
         admitted = []
@@ -271,7 +317,7 @@ class EngineLoop:
             job = self._admitting.popleft()
             try:
                 self.engine.add_request(job.request_id, job.prompt, job.params, job.prompt_token_ids,
-                                        matcher=job.matcher)
+                                        matcher=job.matcher, lora_name=job.lora_name)
             except ValueError as exc:
                 self._fail(job, f"invalid request: {exc}", ErrorKind.INVALID)
                 continue
@@ -281,6 +327,8 @@ class EngineLoop:
                 continue
             self._active[job.request_id] = job
             admitted.append(job)
+            if job.lora_name is not None:
+                self._observe(self.observer.on_admitted, job)
         if admitted:
             with self._outbox_cond:
                 for job in admitted:
@@ -440,7 +488,7 @@ class EngineLoop:
         except Exception:
             logger.exception("metrics hook failed")
 
-    def _fail(self, job: Job, message: str, kind: ErrorKind) -> None:
+    def _fail(self, job: Job | EngineCall, message: str, kind: ErrorKind) -> None:
         """Send the job's final error (once, whichever thread gets there first); the request id lets an
         operator find the details in the log."""
         with self._fail_lock:

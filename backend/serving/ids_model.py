@@ -20,8 +20,15 @@ import numpy.typing as npt
 from tritium.backend.detokenizer import PROMPT_CONTEXT_TOKENS
 from tritium.backend.outputs import RequestOutput
 from tritium.backend.sampling_params import SAMPLING_FIELDS
-from tritium.backend.serving.request import EngineRequest, coerce_field, decode_text, sampling_from_dict, scalar
-from tritium.backend.serving.triton_model import EngineModel
+from tritium.backend.serving.request import (
+    EngineRequest,
+    coerce_field,
+    decode_text,
+    parse_lora_name,
+    sampling_from_dict,
+    scalar,
+)
+from tritium.backend.serving.triton_model import EngineModel, request_parameters
 from tritium.backend.serving.triton_sink import TritonSink, read_inputs
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -29,7 +36,7 @@ DEFAULT_TIMEOUT_S = 300.0
 # field of that name, whose declared type it is coerced to.
 SCALAR_INPUTS: dict[str, type] = {name: SAMPLING_FIELDS[name].type for name in (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "presence_penalty",
-    "frequency_penalty")}
+    "frequency_penalty", "priority")}
 
 
 @dataclass
@@ -82,8 +89,16 @@ class TritonPythonModel(EngineModel[IdsRequest]):
     default_timeout_s = DEFAULT_TIMEOUT_S  # cancellation does not reach an ensemble's steps
 
     def parse(self, request: Any) -> IdsRequest:
-        prompt_ids, sampling, stream = parse_ids_request(read_inputs(self.pb, request, self.input_names))
-        return IdsRequest(params=sampling_from_dict(sampling), prompt_token_ids=prompt_ids, stream=stream)
+        inputs = read_inputs(self.pb, request, self.input_names)
+        prompt_ids, sampling, stream = parse_ids_request(inputs)
+        # The adapter: the request parameter (an ensemble passes its request's parameters on to this step) or
+        # the `lora_name` input; other parameters are the ensemble's or its other steps' and are left alone.
+        parameters = request_parameters(request)
+        lora = parameters["lora_name"] if "lora_name" in parameters else scalar("lora_name", inputs.get("lora_name"))
+        if "priority" in parameters:  # the same for `priority`: the parameter wins over the input
+            sampling["priority"] = coerce_field("priority", parameters["priority"])
+        return IdsRequest(params=sampling_from_dict(sampling), prompt_token_ids=prompt_ids, stream=stream,
+                          lora_name=parse_lora_name(lora))
 
     def make_sink(self, sender: Any, parsed: IdsRequest) -> TritonSink:
         return IdsSink(self.pb, sender, parsed.prompt_token_ids or [], parsed.stream)

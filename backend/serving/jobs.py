@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,6 +25,8 @@ class ErrorKind(enum.Enum):
     OVERLOADED = "overloaded"  # refused, retry later: UNAVAILABLE (the message starts "overloaded:")
     UNAVAILABLE = "unavailable"  # the model is not serving: UNAVAILABLE
     INTERNAL = "internal"  # failed while generating: INTERNAL
+    FORBIDDEN = "forbidden"  # a lora_admin request without the right admin_key: UNAVAILABLE (Triton has no
+    # PERMISSION_DENIED; it refuses its own restricted APIs with UNAVAILABLE too)
     # Triton's HTTP generate endpoints answer every model error with 400, and a gRPC stream carries only the
     # message: the code reaches gRPC unary-style clients only.
 
@@ -49,6 +52,7 @@ class LoopObserver(Protocol):
     """Metrics hooks, called on the engine thread (`on_refused` on the caller of `submit`)."""
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
+    def on_admitted(self, job: Job) -> None: ...
     def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
     def on_refused(self) -> None: ...
     def on_engine_failed(self) -> None: ...
@@ -59,6 +63,7 @@ class NoObserver:
     """The observer of a loop without metrics."""
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
+    def on_admitted(self, job: Job) -> None: ...
     def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
     def on_refused(self) -> None: ...
     def on_engine_failed(self) -> None: ...
@@ -74,6 +79,7 @@ class Job:
     sink: ResponseSink
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs on (None: the base model)
     deadline: float | None = None  # time.monotonic() after which the request is aborted
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -82,6 +88,27 @@ class Job:
     matcher: Any = None  # its structured output's compiled matcher (llguidance), once compiled
     num_responses: int = 0  # responses sent (the response thread's)
     closed: bool = False  # its final response (or error) went out: nothing more is sent
+
+
+class ReplySink(Protocol):
+    """Where an EngineCall's one final response goes."""
+
+    def send_text(self, text: str) -> None:
+        """Send `text` as the final response."""
+
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        """Send the final error."""
+
+
+@dataclass(eq=False)
+class EngineCall:
+    """A request that runs `run(engine)` on the engine thread between steps (a lora_admin action) and is answered
+    with the text it returns, or with an error (its ValueError's message: the request's fault)."""
+
+    request_id: str
+    run: Callable[[LLMEngine], str]
+    sink: ReplySink
+    closed: bool = False
 
 
 @dataclass(eq=False)

@@ -7,6 +7,8 @@ at most every FLUSH_INTERVAL_S (and whenever the engine goes idle), not per toke
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from tritium.backend.outputs import RequestOutput
@@ -21,8 +23,8 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class EngineMetrics:
     """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption, prefix hit and
-    refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges. Labelled with the
-    model name and version."""
+    refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges; requests per LoRA adapter and
+    the adapters running and waiting. Labelled with the model name and version."""
 
     def __init__(self, pb_utils: Any, model: str, version: str, engine: LLMEngine) -> None:
         family = pb_utils.MetricFamily
@@ -51,12 +53,17 @@ class EngineMetrics:
         self.kv_block_size = metric("tritium_kv_cache_block_size", "Tokens per KV cache block", gauge)
         self.kv_blocks.set(engine.block_manager.num_blocks)
         self.kv_block_size.set(engine.block_manager.block_size)
-        self.preemptions = metric("tritium_num_preemptions_total", "Sequences preempted for lack of KV blocks",
+        self.preemptions = metric("tritium_num_preemptions_total",
+                                  "Sequences preempted (for lack of KV blocks, or for a higher-priority request)",
                                   counter)
         self.prefix_hits = metric("tritium_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix "
                                   "cache", counter)
         self.prefix_queries = metric("tritium_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the "
                                      "prefix cache", counter)
+        self.spec_drafts = metric("tritium_spec_decode_num_draft_tokens_total", "Speculative draft tokens "
+                                  "verified", counter)
+        self.spec_accepted = metric("tritium_spec_decode_num_accepted_tokens_total", "Speculative draft tokens "
+                                    "accepted", counter)
         self.refused = metric("tritium_num_requests_refused_total", "Requests refused because too many were "
                               "waiting (max_pending_requests)", counter)
         self.engine_healthy = metric("tritium_engine_healthy", "1 while the engine serves, 0 once its thread failed",
@@ -64,9 +71,28 @@ class EngineMetrics:
         self.engine_healthy.set(1)
         self.stream_interval = metric("tritium_stream_interval_tokens", "Tokens a streamed response carries at "
                                       "most now (1 while sending keeps up; see max_stream_interval)", gauge)
+        self._labels = labels
+        self._lora_info_family = family(
+            name="tritium_lora_requests_info", kind=gauge,
+            description="LoRA adapters of the running and waiting requests (comma-separated, sorted) and max_lora; "
+                        "the value is the unix time of the update: read the newest series")
+        self._lora_total_family = family(name="tritium_lora_requests_total", kind=counter,
+                                         description="Requests admitted into the engine per LoRA adapter")
+        self._families += [self._lora_info_family, self._lora_total_family]
+        self._max_lora = str(engine.lora.max_loras if engine.lora is not None else 0)
+        self._lora_info: Any = None  # the current series of tritium_lora_requests_info
+        self._lora_info_labels: dict[str, str] | None = None
+        # Every series made, by labels: the python backend keeps a metric until its family goes, so a label set
+        # seen before reuses its series.
+        self._lora_info_series: dict[tuple[tuple[str, str], ...], Any] = {}
+        self._lora_totals: dict[str, Any] = {}  # adapter name -> its tritium_lora_requests_total series
+        self._lora_admitted: Counter[str] = Counter()  # not pushed yet (the engine thread adds, on_step pushes)
+        self._lora_lock = threading.Lock()
+        self._push_lora_info([], [])
         self._seen_preemptions = 0
         self._seen_hits = 0
         self._seen_queries = 0
+        self._seen_spec = (0, 0)  # draft and accepted tokens pushed so far
         self._ttft: list[float] = []
         self._itl: list[float] = []
         self._e2e: list[float] = []
@@ -89,6 +115,11 @@ class EngineMetrics:
         if output.finished:
             self._e2e.append(now - job.arrival)
             self._prompt += output.num_input_tokens
+
+    def on_admitted(self, job: Job) -> None:
+        if job.lora_name is not None:
+            with self._lora_lock:
+                self._lora_admitted[job.lora_name] += 1
 
     def on_refused(self) -> None:
         self.refused.increment(1)
@@ -127,6 +158,11 @@ class EngineMetrics:
         if blocks.prefix_queried_tokens > self._seen_queries:
             self.prefix_queries.increment(blocks.prefix_queried_tokens - self._seen_queries)
             self._seen_queries = blocks.prefix_queried_tokens
+        if engine.speculator is not None:
+            spec = engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens
+            self.spec_drafts.increment(spec[0] - self._seen_spec[0])
+            self.spec_accepted.increment(spec[1] - self._seen_spec[1])
+            self._seen_spec = spec
         for values, metric in ((self._ttft, self.ttft), (self._itl, self.itl), (self._e2e, self.e2e)):
             for value in values:
                 metric.observe(value)
@@ -137,3 +173,37 @@ class EngineMetrics:
                 self.waiting.set(len(sched.waiting) + queued)
         self.kv_usage.set(blocks.usage)
         self.kv_used_blocks.set(blocks.num_blocks - blocks.num_free_blocks)
+        self._push_lora(sched)
+
+    def _push_lora(self, sched: Any) -> None:
+        """Push the admitted-per-adapter counts and, when they changed, the running and waiting adapters."""
+        with self._lora_lock:
+            admitted, self._lora_admitted = self._lora_admitted, Counter()
+        for name, n in admitted.items():
+            series = self._lora_totals.get(name)
+            if series is None:
+                series = self._lora_totals[name] = self._lora_total_family.Metric(
+                    labels={**self._labels, "lora_name": name})
+            series.increment(n)
+        if self._max_lora == "0":
+            return
+        # Snapshots: the engine thread changes these queues meanwhile (list() of a deque is one C call).
+        running, waiting = list(sched.running), list(sched.waiting)
+        self._push_lora_info([s.lora.name for s in running if s.lora is not None],
+                             [s.lora.name for s in waiting if s.lora is not None])
+
+    def _push_lora_info(self, running: list[str], waiting: list[str]) -> None:
+        """When the adapters changed: set the series of the new labels to now (vLLM's vllm:lora_requests_info:
+        a reader takes the newest) and the previous one to 0 (the python backend cannot delete a series)."""
+        labels = {**self._labels, "max_lora": self._max_lora, "running_lora_adapters": ",".join(sorted(set(running))),
+                  "waiting_lora_adapters": ",".join(sorted(set(waiting)))}
+        if labels == self._lora_info_labels:
+            return
+        key = tuple(sorted(labels.items()))
+        series = self._lora_info_series.get(key)
+        if series is None:
+            series = self._lora_info_series[key] = self._lora_info_family.Metric(labels=labels)
+        series.set(time.time())
+        if self._lora_info is not None:
+            self._lora_info.set(0)
+        self._lora_info, self._lora_info_labels = series, labels

@@ -34,6 +34,7 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    lora_name: str | None = None  # the LoRA adapter to run on (None: the base model)
 
 
 @dataclass
@@ -157,10 +158,24 @@ def decode_text(name: str, value: Any) -> str:
     raise ValueError(f"{name} must be a string (BYTES tensor), got {type(value).__name__}")
 
 
+def parse_lora_name(value: Any) -> str | None:
+    """The adapter name of a `lora_name` value (JSON, a request parameter or a BYTES tensor's element); None for
+    null. Raises ValueError when it is not a non-empty string."""
+    if value is None:
+        return None
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bytes):
+        value = decode_text("lora_name", value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"lora_name must be a non-empty string (a loaded LoRA adapter's name), got {value!r}")
+    return value
+
+
 def parse_text_request(inputs: dict[str, npt.NDArray[Any] | None], parameters: dict[str, Any]) -> TextRequest:
     """Build a TextRequest from the request's input arrays (None when absent) and its Triton
-    parameters (a dict of scalars). Sampling fields may come from `sampling_parameters` (JSON) and
-    from the parameters; the parameters win. With `apply_chat_template`, `exclude_input_in_output`
+    parameters (a dict of scalars). Sampling fields and `lora_name` may come from `sampling_parameters` (JSON)
+    and from the parameters; the parameters win. With `apply_chat_template`, `exclude_input_in_output`
     defaults to true (the reply alone). The chat template itself is applied by the model, which has the
     tokenizer. Raises ValueError on any problem."""
     raw_text = scalar("text_input", inputs.get("text_input"))
@@ -173,16 +188,20 @@ def parse_text_request(inputs: dict[str, npt.NDArray[Any] | None], parameters: d
     raw_sampling = scalar("sampling_parameters", inputs.get("sampling_parameters"))
     if raw_sampling is not None:
         sampling.update(parse_sampling_json(decode_text("sampling_parameters", raw_sampling)))
+    lora_name = parse_lora_name(sampling.pop("lora_name", None))
     flags = {name: _as_bool(name, v) for name in FLAG_INPUTS if (v := scalar(name, inputs.get(name))) is not None}
     for key, value in parameters.items():
         if key.startswith("triton_"):
             continue  # client/transport settings such as triton_enable_empty_final_response
         if key in FLAG_INPUTS:
             flags[key] = _as_bool(key, value)
+        elif key == "lora_name":
+            lora_name = parse_lora_name(value)
         elif key in SAMPLING_FIELDS or key in STRUCTURED_OUTPUT_ALIASES:
             sampling[key] = value
         else:
             raise ValueError(f"unknown request parameter {key!r}")
     flags.setdefault("exclude_input_in_output", flags.get("apply_chat_template", False))  # a chat reply alone
     # A text request has no token ids; naming that leaves `flags` only the boolean fields to fill.
-    return TextRequest(prompt=prompt, prompt_token_ids=None, params=sampling_from_dict(sampling), **flags)
+    return TextRequest(prompt=prompt, prompt_token_ids=None, params=sampling_from_dict(sampling), lora_name=lora_name,
+                       **flags)

@@ -15,7 +15,7 @@ import numpy as np
 
 from tritium.backend.outputs import RequestOutput
 from tritium.backend.serving.request import TextRequest, parse_text_request
-from tritium.backend.serving.triton_model import EngineModel
+from tritium.backend.serving.triton_model import EngineModel, request_parameters
 from tritium.backend.serving.triton_sink import TritonSink, read_inputs
 
 
@@ -58,16 +58,8 @@ class TritonPythonModel(EngineModel[TextRequest]):
 
     request_id_prefix = "req"
 
-    @staticmethod
-    def _parameters(request: Any) -> dict[str, Any]:
-        raw = request.parameters()
-        if not raw:
-            return {}
-        value = json.loads(raw)
-        return value if isinstance(value, dict) else {}
-
     def parse(self, request: Any) -> TextRequest:
-        parsed = parse_text_request(read_inputs(self.pb, request, self.input_names), self._parameters(request))
+        parsed = parse_text_request(read_inputs(self.pb, request, self.input_names), request_parameters(request))
         if parsed.apply_chat_template:
             parsed.prompt = self.engine.tokenizer.user_turn(parsed.prompt or "")
         return parsed

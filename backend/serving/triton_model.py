@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from abc import ABC, abstractmethod
 from functools import partial
@@ -18,16 +19,49 @@ from itertools import count
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
+import numpy as np
+
 from tritium.backend.engine import LLMEngine
+from tritium.backend.outputs import RequestOutput
 from tritium.backend.serving.device_selection import select_device
 from tritium.backend.serving.engine_loop import EngineLoop
-from tritium.backend.serving.jobs import Job
+from tritium.backend.serving.jobs import EngineCall, ErrorKind, Job
+from tritium.backend.serving.lora_admin import (
+    ADMIN_PARAMETER,
+    KEY_PARAMETER,
+    AdminRefused,
+    check_admin_key,
+    configured_admin_key,
+    parse_admin_action,
+    run_admin_action,
+)
 from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import EngineRequest
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.serving.triton_sink import TritonSink, parse_or_reject
 
 R = TypeVar("R", bound=EngineRequest)
+logger = logging.getLogger(__name__)
+
+
+class ReplySink(TritonSink):
+    """Answers a lora_admin request: one final response whose `text_output` holds the reply."""
+
+    def send_output(self, output: RequestOutput) -> None:
+        raise NotImplementedError("a lora_admin request has no generated output")
+
+    def send_text(self, text: str) -> None:
+        tensor = self.pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
+        self._send(self.pb.InferenceResponse(output_tensors=[tensor]), final=True)
+
+
+def request_parameters(request: Any) -> dict[str, Any]:
+    """A Triton request's parameters (HTTP top-level keys, gRPC parameters) as a dict ({} when none)."""
+    raw = request.parameters()
+    if not raw:
+        return {}
+    value = json.loads(raw)
+    return value if isinstance(value, dict) else {}
 
 
 class EngineModel(ABC, Generic[R]):
@@ -56,7 +90,9 @@ class EngineModel(ABC, Generic[R]):
             raise ValueError(f"the {args['model_name']} model must use "
                              "model_transaction_policy { decoupled: true }")
         self.input_names = [i["name"] for i in self.model_config.get("input", [])]
-        settings = load_settings(Path(args["model_repository"]) / args["model_version"])
+        self.version_dir = Path(args["model_repository"]) / args["model_version"]
+        settings = load_settings(self.version_dir)
+        self.admin_key = configured_admin_key(settings.admin_key, os.environ)
         self.timeout_s = settings.request_timeout_s or self.default_timeout_s
         # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
         config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
@@ -78,17 +114,46 @@ class EngineModel(ABC, Generic[R]):
             request_id = f"{self.request_id_prefix}-{next(self._ids)}"
             sender = request.get_response_sender()
             job = parse_or_reject(self.pb, sender, request_id, partial(self._job, request_id, request, sender))
-            if job is not None:
+            if isinstance(job, Job):
                 self.loop.submit(job)
+            elif isinstance(job, EngineCall):
+                self.loop.submit_call(job)
         return None
 
-    def _job(self, request_id: str, request: Any, sender: Any) -> Job:
+    def _job(self, request_id: str, request: Any, sender: Any) -> Job | EngineCall | None:
+        """The request's Job, or the EngineCall of a lora_admin request, or None when it was refused already.
+        Raises ValueError naming the field and the rule."""
+        parameters = request_parameters(request)
+        if ADMIN_PARAMETER in parameters:
+            return self._admin_call(request_id, parameters, sender)
+        if KEY_PARAMETER in parameters:
+            raise ValueError(f"{KEY_PARAMETER} is only used with {ADMIN_PARAMETER}")
         parsed = self.parse(request)
+        if parsed.lora_name is not None:  # an unknown adapter, or LoRA off: refused here, naming it
+            self.engine.lora_adapter(parsed.lora_name)
         job = Job(request_id=request_id, params=parsed.params, sink=self.make_sink(sender, parsed),
-                  prompt=parsed.prompt, prompt_token_ids=parsed.prompt_token_ids)
+                  prompt=parsed.prompt, prompt_token_ids=parsed.prompt_token_ids, lora_name=parsed.lora_name)
         if self.timeout_s is not None:
             job.deadline = job.arrival + self.timeout_s
         return job
+
+    def _admin_call(self, request_id: str, parameters: dict[str, Any], sender: Any) -> EngineCall | None:
+        """The EngineCall running a lora_admin action, or None once a refused one (wrong or missing admin_key)
+        is answered. Raises ValueError for a malformed action."""
+        unknown = sorted(k for k in parameters if k not in (ADMIN_PARAMETER, KEY_PARAMETER)
+                         and not k.startswith("triton_"))
+        if unknown:
+            raise ValueError(f"a {ADMIN_PARAMETER} request takes no other parameters, got {', '.join(unknown)}")
+        action = parse_admin_action(parameters[ADMIN_PARAMETER])
+        sink = ReplySink(self.pb, sender)
+        try:
+            check_admin_key(action, parameters.get(KEY_PARAMETER), self.admin_key)
+        except AdminRefused as exc:
+            logger.warning("lora_admin %s refused (request id %s): %s", action.action, request_id, exc)
+            sink.send_error(f"{exc} (request id {request_id})", ErrorKind.FORBIDDEN)
+            return None
+        logger.info("lora_admin %s %s (request id %s)", action.action, action.lora_name or "", request_id)
+        return EngineCall(request_id, partial(run_admin_action, action=action, version_dir=self.version_dir), sink)
 
     def finalize(self) -> None:
         self.loop.stop()

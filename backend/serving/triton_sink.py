@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ERROR_CODES = {  # pb_utils.TritonError code names; tritonserver maps them to gRPC / HTTP statuses
     ErrorKind.INVALID: "INVALID_ARG", ErrorKind.OVERLOADED: "UNAVAILABLE", ErrorKind.UNAVAILABLE: "UNAVAILABLE",
-    ErrorKind.INTERNAL: "INTERNAL",
+    ErrorKind.INTERNAL: "INTERNAL", ErrorKind.FORBIDDEN: "UNAVAILABLE",
 }
 
 

@@ -5,6 +5,12 @@ the staging buffer for that bucket, so replaying the captured graph reads them. 
 captured: `run` calls the same forward on the same padded buffers, which keeps that path tested without a
 GPU. Every bucket warms up and is captured on one side stream, into one graph memory pool (GraphCapture).
 
+With LoRA on, each bucket has a second graph, captured with adapters (`lora=True`): its inputs also hold one
+adapter slot per row (-1 for none), and it runs the per-row shrink / expand (lora/ops.py `add_lora_rows`,
+kernels/lora.py) on every target module. The stacked adapter weights are fixed device buffers
+(lora/weights.py), so a replay reads whatever was loaded into a slot after capture. Base-only steps replay
+the base graph and pay nothing for LoRA.
+
 Steps that mix decode rows with prefill chunks run eagerly, decode rows included. Running the decode rows
 through their bucket's graph and the prefill rows eagerly would not save the eager launches: a forward pass
 launches its ~330 kernels per layer op, not per row, so the prefill part alone launches as many as the whole
@@ -88,7 +94,7 @@ class DecodeGraphs:
     def __init__(self, buckets: list[int], device: torch.device, capture: GraphCapture | None = None) -> None:
         self.buckets = sorted(buckets)
         self.device = device
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool], tuple[Callable[[], None], torch.Tensor]] = {}  # (bucket, lora)
         if capture is None and device.type == "cuda" and buckets:
             capture = GraphCapture(device)
         self._capture = capture
@@ -98,17 +104,22 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if num_seqs and i < len(self.buckets) else None
 
-    def capture(self, bucket: int, forward: Forward) -> None:
+    def capture(self, bucket: int, forward: Forward, lora: bool = False) -> None:
         """Run `forward` once (compiling every kernel it launches), then, where graphs are captured, capture it
-        for `bucket`."""
+        for `bucket` (`lora`: as the bucket's graph with adapter rows)."""
         if self._capture is None:
             forward()
             return
-        self._graphs[bucket] = self._capture.capture(forward)
+        self._graphs[(bucket, lora)] = self._capture.capture(forward)
 
-    def run(self, bucket: int, forward: Forward) -> torch.Tensor:
-        """The hidden states of the bucket's padded rows: a graph replay on CUDA, `forward()` elsewhere."""
-        captured = self._graphs.get(bucket)
+    def captured(self) -> list[tuple[int, bool]]:
+        """The (bucket, lora) graphs captured, in order."""
+        return sorted(self._graphs)
+
+    def run(self, bucket: int, forward: Forward, lora: bool = False) -> torch.Tensor:
+        """The hidden states of the bucket's padded rows: a graph replay on CUDA, `forward()` elsewhere
+        (`lora`: the bucket's graph with adapter rows)."""
+        captured = self._graphs.get((bucket, lora))
         if captured is None:
             return forward()
         replay, out = captured

@@ -6,9 +6,13 @@ batch-size bucket on fixed views of the staging buffer, so that on CUDA a graph 
 replays them (decode_graphs.py); mixed and prefill steps run eagerly. The worker (worker.py) owns the staging
 buffer and the graphs and hands them to the runner.
 
-With LoRA on (`lora_stacks`), a step with adapter rows also stages those rows grouped by slot (lora/ops.py) and
-runs eagerly, decode-only steps included: the decode graphs are captured without adapters (on CUDA such steps
-give up the graph replay; see issue 24's kernels for capturing them). Base-only steps are unchanged.
+With LoRA on (`lora_stacks`), a step with adapter rows also stages those rows grouped by slot (lora/ops.py:
+the rows sorted by slot and the segments, host and device) and runs eagerly through the segmented shrink /
+expand; a decode-only step with adapter rows instead stages one slot per row (-1: base), padded to its bucket
+and put first (so at the same offsets for every step of that bucket), and replays the bucket's LoRA graph,
+captured beside the base one (decode_graphs.py); the stacked adapter weights never move, so a graph sees what
+is loaded into a slot later. With the triton attention backend the kernels of kernels/lora.py run them, with
+the torch backend the torch code of lora/ops.py. Base-only steps are unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from itertools import accumulate, pairwise
 import torch
 
 from tritium.backend.core.scheduler import ScheduledSequence
-from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups
+from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups, segment_arrays
 from tritium.backend.lora.weights import LoraBatch, LoraStacks
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
@@ -40,7 +44,8 @@ def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_l
     seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs, max_model_len)
     # ids, positions, slots (and LoRA slots); decode and prefill rows/lengths; logit rows; table updates (a step
     # may rewrite every scheduled row).
-    return (4 if lora else 3) * tokens + 8 * seqs + 1 + 2 * seqs * width
+    # LoRA: rows sorted by slot (or a slot per decode row) and the device segments (starts and slots).
+    return (4 if lora else 3) * tokens + (10 if lora else 8) * seqs + (2 if lora else 1) + 2 * seqs * width
 
 
 def warm_up_prefills(max_prefill_tokens: int, max_model_len: int, max_num_seqs: int, cuda: bool) -> list[list[int]]:
@@ -96,13 +101,16 @@ class PreparedStep:
     prefill_seq_lens: slice
     prefill_width: int
     max_query_len: int
-    logit_rows: slice  # packed row of each sampling sequence's last token, in scheduled order
+    logit_rows: slice  # packed row of each sampling sequence's last token (and drafts), in scheduled order
     num_logit_rows: int
     update_index: slice
     update_value: slice
     bucket: int | None = None  # the decode graph this step replays
     lora_rows: slice | None = None  # the adapter rows sorted by slot (ops.lora_groups); None when there are none
     lora_segments: list[Segment] = field(default_factory=list)  # (slot, start, end) into lora_rows
+    lora_seg_starts: slice | None = None  # the segments staged for the kernels: starts (end appended), slots
+    lora_seg_slots: slice | None = None
+    lora_row_slots: slice | None = None  # a LoRA decode graph's step: each padded row's slot (-1: none)
 
 
 class ModelRunner:
@@ -170,7 +178,8 @@ class ModelRunner:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
-            host.input_ids.extend(seq.token_ids[start:end])
+            host.input_ids.extend(seq.token_ids[start : end - len(s.draft)])
+            host.input_ids.extend(s.draft)  # a verification step: the drafts after the last token
             host.positions.extend(range(start, end))
             host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[id(s)] = len(host.input_ids) - 1
@@ -180,12 +189,14 @@ class ModelRunner:
             host.prefill_width = max(host.prefill_width, -(-end // bs))
             if self.lora_stacks is not None:
                 host.lora_slots.extend([seq.lora_slot] * s.num_new_tokens)
-        host.logit_rows = [last_row[id(s)] for s in batch if s.samples]
+        # A speculating sequence's logits at its last token and at each draft (spec/verify.py), in that order.
+        host.logit_rows = [row for s in batch if s.samples
+                           for row in range(last_row[id(s)] - len(s.draft), last_row[id(s)] + 1)]
         host.update_index, host.update_value = tables.take_updates()
         num_decode = len(host.decode_rows)
         if not any(slot >= 0 for slot in host.lora_slots):
             host.lora_slots.clear()  # a base-only step stages no LoRA rows and may replay a graph
-        graphable = num_decode == len(batch) and not host.lora_slots
+        graphable = num_decode == len(batch)  # with adapter rows: the bucket's LoRA graph
         return self._stage(host, self.graphs.bucket_for(num_decode) if graphable else None)
 
     def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
@@ -199,6 +210,8 @@ class ModelRunner:
                                  f"(max_model_len {self.max_model_len} / block_size {self.block_size})")
         pad = bucket or 0
         cu = host.prefill_cu_seqlens
+        # a LoRA decode graph's row slots go first: the same offsets for each step of its bucket
+        row_slots = st.put(host.lora_slots, pad, fill=-1) if host.lora_slots and bucket is not None else None
         step = PreparedStep(
             num_tokens=max(len(host.input_ids), pad),
             input_ids=st.put(host.input_ids, pad),
@@ -219,9 +232,12 @@ class ModelRunner:
             update_value=st.put(host.update_value),
             bucket=bucket,
         )
-        if host.lora_slots:
+        step.lora_row_slots = row_slots
+        if host.lora_slots and bucket is None:
             rows, step.lora_segments = lora_groups(host.lora_slots)
             step.lora_rows = st.put(rows)
+            starts, slots = segment_arrays(step.lora_segments)
+            step.lora_seg_starts, step.lora_seg_slots = st.put(starts), st.put(slots)
         return step
 
     def metadata(self, step: PreparedStep) -> AttentionMetadata:
@@ -242,9 +258,15 @@ class ModelRunner:
         """Hidden states of the staged step's packed rows (what a decode graph captures)."""
         st = self.staging
         lora = None
-        if step.lora_rows is not None:
+        kernels = self.backend.ops if self.backend.name == "triton" else None
+        if step.lora_rows is not None and step.lora_seg_starts is not None and step.lora_seg_slots is not None:
             assert self.lora_stacks is not None
-            lora = LoraBatch(LoraGroups(st.ints(step.lora_rows), step.lora_segments), self.lora_stacks)
+            groups = LoraGroups(st.ints(step.lora_rows), step.lora_segments, st.ints(step.lora_seg_starts),
+                                st.ints(step.lora_seg_slots))
+            lora = LoraBatch(groups, self.lora_stacks, kernels=kernels)
+        elif step.lora_row_slots is not None:
+            assert self.lora_stacks is not None
+            lora = LoraBatch(None, self.lora_stacks, st.ints(step.lora_row_slots), kernels)
         hidden: torch.Tensor = self.model(st.ints(step.input_ids), st.ints(step.positions), self.kv_caches,
                                           self.metadata(step), self.backend, lora)
         return hidden
@@ -252,11 +274,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """fp32 logits on the model's device, one row per sequence that samples this step (scheduled
-        order). The staged inputs must be uploaded."""
+        order; a speculating sequence has a row per verified position). The staged inputs must be uploaded."""
         st = self.staging
         self.block_tables.apply(st.ints(step.update_index), st.ints(step.update_value))
         if step.bucket is not None:
-            hidden = self.graphs.run(step.bucket, lambda: self.forward(step))
+            hidden = self.graphs.run(step.bucket, lambda: self.forward(step), lora=step.lora_row_slots is not None)
         else:
             hidden = self.forward(step)
         if step.num_logit_rows == 0:
@@ -274,7 +296,8 @@ class ModelRunner:
             shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
                                 c.intermediate_size, self.model.cos_sin_cache.shape[-1], self.block_size,
                                 self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32,
-                                vocab_size=c.vocab_size, quantization=getattr(self.model, "quantization", None))
+                                vocab_size=c.vocab_size, quantization=getattr(self.model, "quantization", None),
+                                lora_rank=self.lora_stacks.max_rank if self.lora_stacks is not None else None)
             warm_up_kernels(self.backend.ops, shape)
         for prefill in warm_up_prefills(max_prefill_tokens, self.max_model_len, self.max_num_seqs,
                                         self.device.type == "cuda"):
@@ -283,13 +306,17 @@ class ModelRunner:
         for bucket in sorted(self.graphs.buckets, reverse=True):  # largest first: later graphs reuse its pool
             step = self._dummy_step(num_decode=0, prefill=[], bucket=bucket)  # all padding rows
             self.graphs.capture(bucket, partial(self.forward, step))
+            if self.lora_stacks is not None:  # the bucket's LoRA graph: padding rows of no adapter (slot -1)
+                step = self._dummy_step(num_decode=0, prefill=[], bucket=bucket, lora=True)
+                self.graphs.capture(bucket, partial(self.forward, step), lora=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _dummy_step(self, num_decode: int, prefill: list[int], bucket: int | None = None) -> PreparedStep:
+    def _dummy_step(self, num_decode: int, prefill: list[int], bucket: int | None = None,
+                    lora: bool = False) -> PreparedStep:
         """A staged and uploaded step whose sequences (`num_decode` decode rows, then prefill sequences of the
-        `prefill` lengths) all use the zero padding row and write nothing."""
+        `prefill` lengths) all use the zero padding row and write nothing (`lora`: with row slots, all -1)."""
         pad_row = self.block_tables.padding_row
         tokens = num_decode + sum(prefill)
         host = HostStep(
@@ -298,6 +325,7 @@ class ModelRunner:
             prefill_rows=[pad_row] * len(prefill), prefill_cu_seqlens=[0, *accumulate(prefill)],
             prefill_seq_lens=list(prefill), prefill_width=-(-max(prefill, default=0) // self.block_size),
             logit_rows=[tokens - 1] if tokens else [],
+            lora_slots=[-1] * max(tokens, bucket or 0) if lora else [],
         )
         self.staging.begin()
         step = self._stage(host, bucket)

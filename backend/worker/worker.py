@@ -25,6 +25,8 @@ from tritium.backend.models.loader import load_model
 from tritium.backend.sample.sampler import Sampler, SamplerOutput
 from tritium.backend.sample.settings import RowSettings, row_settings_slots, stage_row_settings
 from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.spec.config import SpeculativeConfig
+from tritium.backend.spec.verify import accept_runs, position_views
 from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.decoding import StructuredDecoding
 from tritium.backend.testing.faults import FaultInjector
@@ -54,6 +56,10 @@ class StepResult:
     errors: list[str | None] = field(default_factory=list)
     grammar_complete: list[bool] = field(default_factory=list)
     failed: bool = False
+    # Speculative decoding: per sequence the drafts verification kept, before `token_ids[row]`, and their
+    # logprobs (empty lists when no sequence of the step speculated).
+    accepted: list[list[int]] = field(default_factory=list)
+    accepted_logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
 
 
 class Worker:
@@ -89,7 +95,10 @@ class Worker:
         self.memory_plan = sizing.plan  # on CUDA without kv_cache_bytes: what the share is spent on (gpu-check)
         slots = step_input_slots(seqs, config.max_num_batched_tokens, self.max_model_len, config.block_size,
                                  lora=config.enable_lora)
-        self.staging = StagingBuffer(slots + row_settings_slots(seqs), self.device)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        # A speculating sequence samples at each verified position: a logit row and row settings for each.
+        rows = seqs * (1 + spec.num_speculative_tokens) if spec is not None else seqs
+        self.staging = StagingBuffer(slots + (rows - seqs) + row_settings_slots(rows), self.device)
         self.graphs = DecodeGraphs(buckets, self.device)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device, seqs,
                                   self.max_model_len, self.staging, self.graphs, self.lora_stacks)
@@ -119,9 +128,11 @@ class Worker:
         use_device(self.device)  # the serving loop steps on a thread of its own
         for seq in batch.preempted:  # readmitted later with new blocks: a new row then
             self.runner.release(seq.request_id)
-        pending_masks = self.structured.start(batch.sampling)
+        speculating = any(batch.drafts)
+        rows = position_views(batch.sampling, batch.drafts) if speculating else batch.sampling
+        pending_masks = self.structured.start(rows)
         try:
-            logits, settings = self._forward(batch)
+            logits, settings = self._forward(batch, rows)
         except Exception:
             logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
             self.structured.wait(pending_masks)  # the mask thread must be done with its buffer before the next step
@@ -129,15 +140,22 @@ class Worker:
         masks = self.structured.wait(pending_masks)
         if not batch.sampling:
             return StepResult()
-        return self._accept(batch.sampling, self.sampler(logits, batch.sampling, settings, masks))
+        sampled = self.sampler(logits, rows, settings, masks)
+        if not speculating:
+            return self._accept(batch.sampling, sampled)
+        verified = accept_runs(batch.drafts, sampled)
+        result = self._accept(batch.sampling, verified.sampled)
+        result.accepted, result.accepted_logprobs = verified.accepted, verified.accepted_logprobs
+        return result
 
-    def _forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor, RowSettings | None]:
-        """Stage the runner's inputs and the random rows' settings, upload them in one copy and run the forward
-        pass: the sampling rows' logits and those settings on the device."""
+    def _forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
+        """Stage the runner's inputs and the random rows' settings (`rows`: the sampler's rows, a speculating
+        sequence's verified positions included), upload them in one copy and run the forward pass: the sampling
+        rows' logits and those settings on the device."""
         self.faults.check(s.seq.prompt for s in batch.scheduled)
         self.staging.begin()
         step = self.runner.prepare(batch.scheduled)
-        staged = stage_row_settings(self.staging, batch.sampling)
+        staged = stage_row_settings(self.staging, rows)
         self.staging.upload()
         logits = self.runner.execute(step)
         return logits, staged.tensors(self.staging) if staged is not None else None

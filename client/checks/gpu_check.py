@@ -7,7 +7,8 @@ Steps, each timed and reported pass / fail / skip with its figures (a failed ste
   3b step timing            a batch-64 decode step's host time against its GPU time (checks/engine.py)
   2b greedy parity          the same on a few random layers of a head_dim-128, GQA-4 shape (Llama-3-8B-like)
   3c step timing            the same on those layers
-  4  kernel benchmark       prefill TFLOP/s next to SDPA flash, decode GB/s next to the peak (bench/kernels.py)
+  4  kernel benchmark       prefill TFLOP/s next to SDPA flash, decode GB/s next to the peak (bench/kernels.py);
+                            LoRA shrink + expand next to the base GEMM they sit beside (checks/kernels.py)
   5  offline throughput     tritium next to transformers on the default model (bench/offline.py)
 then the goal verdicts. gpu_check.json and gpu_check.png in --out are rewritten after every step (a run cut
 short leaves what it did, the rest reported "not run"); a one-screen summary is printed at the end.
@@ -83,12 +84,17 @@ def check_kernel_bench(smoke: bool) -> Outcome:
     """Step 4: the kernel benchmark on the check's grid (within KERNEL_BENCH_BUDGET_S), or the smoke grid."""
     from tritium.client.bench.kernels import measure_kernels
     from tritium.client.bench.workload import kernel_grids
+    from tritium.client.checks.kernels import time_lora
 
     if smoke:
         measured = measure_kernels(*kernel_grids(smoke=True), smoke=True)
     else:
         measured = measure_kernels(GPU_PREFILL_GRID, GPU_DECODE_GRID, budget_s=KERNEL_BENCH_BUDGET_S)
     figures = asdict(measured)
+    try:
+        figures["lora"] = time_lora(smoke)
+    except Exception as exc:  # the attention figures stand on their own
+        figures["lora"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     timed = f"{len(measured.prefill)} prefill + {len(measured.decode)} decode shapes"
     if smoke:
         summary = f"{timed} under the interpreter (smoke: the numbers mean nothing)"
@@ -104,6 +110,9 @@ def check_kernel_bench(smoke: bool) -> Outcome:
             parts.append(f"decode b{report.DECODE_GOAL_BATCH} {min(d.tritium_gbs for d in goal):.0f} GB/s{peak}")
         if measured.not_measured:
             parts.append(f"{len(measured.not_measured)} shapes left out (budget {KERNEL_BENCH_BUDGET_S:.0f} s)")
+        lora = figures["lora"]
+        parts.append(f"LoRA r{lora['rank']} <= {lora['max_ratio']:.2f}x its base GEMM" if "error" not in lora
+                     else f"LoRA timing failed: {lora['error']}")
         summary = "; ".join(parts)
     return Outcome(PASS, summary, figures)
 

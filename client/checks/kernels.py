@@ -5,11 +5,16 @@ Llama-8B-like one (32 / 8 / 128), thousands of tokens, prefill with several sequ
 decode with contexts up to 16k. In smoke mode (CPU, TRITON_INTERPRET=1): the default layout with a few
 tokens, fp32 and fp16 (the interpreter cannot run `tl.dot` on bf16), GPU tiles when the kernels take
 `tiles`. Attention is compared with the reference computed in fp32 from the same inputs.
+
+LoRA (kernels/lora.py): the segmented shrink + expand over four adapters (rank 16, a q-sized slice of the fused
+qkv output) and the per-row form (a slot per row, some -1), against the references. `time_lora` (run by step 4,
+the kernel benchmark) times each form next to the base GEMM it sits beside (the module's `x @ W^T`).
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +170,70 @@ def _decode(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, d
     return _compare(got, want, dtype)
 
 
+LORA_RANK = 16
+LORA_SLOTS = 4
+
+
+def _lora_inputs(lay: Layout, rows: int, dtype: torch.dtype, device: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """x [rows, hidden], A [4, 16, hidden], B [4, q, 16], scaling [4], and each row's slot (every fifth -1)."""
+    q = lay.heads * lay.head_dim
+    x = torch.randn(rows, lay.hidden, device=device).to(dtype)
+    a = (torch.randn(LORA_SLOTS, LORA_RANK, lay.hidden, device=device) * lay.hidden**-0.5).to(dtype)
+    b = (torch.randn(LORA_SLOTS, q, LORA_RANK, device=device) * 0.25).to(dtype)
+    scaling = torch.linspace(0.5, 2.0, LORA_SLOTS, device=device)
+    return x, a, b, scaling, [-1 if t % 5 == 4 else t % LORA_SLOTS for t in range(rows)]
+
+
+def _fused_q(lay: Layout, rows: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A fused qkv output [rows, q + 2 kv] (its q slice is a strided view)."""
+    return torch.randn(rows, (lay.heads + 2 * lay.kv_heads) * lay.head_dim, device=device).to(dtype)
+
+
+def _lora_segmented(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype,
+                    device: str) -> tuple[float, bool]:
+    from tritium.backend.lora.ops import lora_groups, segment_arrays
+
+    x, a, b, scaling, slots = _lora_inputs(lay, sizes.tokens, dtype, device)
+    order, segments = lora_groups(slots)
+    starts, seg_slots = segment_arrays(segments)
+    rows = torch.tensor(order, dtype=torch.int32, device=device)
+    starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
+    slots_t = torch.tensor(seg_slots, dtype=torch.int32, device=device)
+    max_rows = max(end - start for _, start, end in segments)
+    got_buf = torch.empty(len(order), LORA_RANK, dtype=dtype, device=device)
+    want_buf = torch.empty_like(got_buf)
+    tri.lora_shrink(x, a, scaling, rows, starts_t, slots_t, got_buf, max_rows, **tile_kwargs(tri.lora_shrink))
+    ref.lora_shrink(x, a, scaling, rows, starts_t, slots_t, want_buf, max_rows)
+    err_buf, ok_buf = _compare(got_buf, want_buf, dtype)
+    fused = _fused_q(lay, sizes.tokens, dtype, device)
+    want = fused.clone()
+    q = lay.heads * lay.head_dim
+    tri.lora_expand(want_buf, b, rows, starts_t, slots_t, fused[:, :q], max_rows, **tile_kwargs(tri.lora_expand))
+    ref.lora_expand(want_buf, b, rows, starts_t, slots_t, want[:, :q], max_rows)
+    err, ok = _compare(fused, want, dtype)
+    return max(err_buf, err), ok_buf and ok
+
+
+def _lora_rows(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype,
+               device: str) -> tuple[float, bool]:
+    rows = len(sizes.decode_contexts) * 8  # a decode batch
+    x, a, b, scaling, slots = _lora_inputs(lay, rows, dtype, device)
+    row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+    got_buf = torch.zeros(rows, LORA_RANK, dtype=dtype, device=device)
+    want_buf = torch.zeros_like(got_buf)
+    tri.lora_shrink_rows(x, a, scaling, row_slots, got_buf, **tile_kwargs(tri.lora_shrink_rows))
+    ref.lora_shrink_rows(x, a, scaling, row_slots, want_buf)
+    err_buf, ok_buf = _compare(got_buf, want_buf, dtype)
+    fused = _fused_q(lay, rows, dtype, device)
+    want = fused.clone()
+    q = lay.heads * lay.head_dim
+    tri.lora_expand_rows(want_buf, b, row_slots, fused[:, :q], **tile_kwargs(tri.lora_expand_rows))
+    ref.lora_expand_rows(want_buf, b, row_slots, want[:, :q])
+    err, ok = _compare(fused, want, dtype)
+    return max(err_buf, err), ok_buf and ok
+
+
 OPS: dict[str, Callable[..., tuple[float, bool]]] = {
     "store_kv": _store_kv,
     "rms_norm": _rms_norm(residual=False),
@@ -173,7 +242,97 @@ OPS: dict[str, Callable[..., tuple[float, bool]]] = {
     "silu_and_mul": _silu_and_mul,
     "prefill_attention": _prefill,
     "decode_attention": _decode,
+    "lora_segmented": _lora_segmented,
+    "lora_rows": _lora_rows,
 }
+
+
+@dataclass
+class LoraTiming:
+    """One module's LoRA delta next to its base GEMM: `form` "rows" (decode, a slot per row) or "segmented"
+    (prefill, four adapters), milliseconds of shrink + expand and of `x @ W^T`, and their ratio."""
+
+    layout: str
+    module: str
+    form: str
+    rows: int
+    lora_ms: float
+    gemm_ms: float
+
+    @property
+    def ratio(self) -> float:
+        """LoRA time / base GEMM time."""
+        return self.lora_ms / self.gemm_ms if self.gemm_ms > 0 else 0.0
+
+
+def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
+    if smoke:  # one interpreted run: checks the code, the figure means nothing
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50))
+
+
+def time_lora(smoke: bool) -> dict[str, Any]:
+    """Step 4's LoRA figures: for the q_proj (hidden -> q) and down_proj (intermediate -> hidden) of each layout,
+    the per-row form at decode batches and the segmented form at a prefill size (rows spread over four rank-16
+    adapters, every fifth row base), in bf16 on CUDA (fp32 under the interpreter when `smoke`), each next to its
+    base GEMM. Returns {"timings": [...], "max_ratio": ...}."""
+    from tritium.backend.lora.ops import LoraGroups, add_lora, add_lora_rows, lora_groups
+    from tritium.kernels import triton_ops as tri
+
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    layouts = [DEFAULT_LAYOUT] if smoke else [DEFAULT_LAYOUT, LLAMA_8B_LAYOUT]
+    decode_rows, prefill_rows = ([4], 16) if smoke else ([1, 32, 256], 4096)
+    tiles = {"tiles": "gpu"} if smoke else {}
+    timings: list[LoraTiming] = []
+    for lay in layouts:
+        q = lay.heads * lay.head_dim
+        for module, d_in, d_out in (("q_proj", lay.hidden, q), ("down_proj", lay.intermediate, lay.hidden)):
+            a = torch.randn(LORA_SLOTS, LORA_RANK, d_in, device=device).to(dtype)
+            b = torch.randn(LORA_SLOTS, d_out, LORA_RANK, device=device).to(dtype)
+            w = torch.randn(d_out, d_in, device=device).to(dtype)
+            scaling = torch.ones(LORA_SLOTS, device=device)
+            for rows in [*decode_rows, prefill_rows]:
+                x = torch.randn(rows, d_in, device=device).to(dtype)
+                y = torch.zeros(rows, d_out, dtype=dtype, device=device)
+                slots = [-1 if t % 5 == 4 else t % LORA_SLOTS for t in range(rows)]
+                if rows == prefill_rows:
+                    order, segments = lora_groups(slots)
+                    groups = LoraGroups(torch.tensor(order, dtype=torch.int32, device=device), segments)
+                    groups.seg_starts, groups.seg_slots = groups.device_segments()
+                    form = "segmented"
+
+                    def lora(groups: LoraGroups = groups, x: torch.Tensor = x, y: torch.Tensor = y,
+                             a: torch.Tensor = a, b: torch.Tensor = b, s: torch.Tensor = scaling) -> None:
+                        add_lora(y, x, groups, a, b, s, _Tiled(tri, tiles))
+                else:
+                    row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+                    form = "rows"
+
+                    def lora(row_slots: torch.Tensor = row_slots, x: torch.Tensor = x, y: torch.Tensor = y,
+                             a: torch.Tensor = a, b: torch.Tensor = b, s: torch.Tensor = scaling) -> None:
+                        add_lora_rows(y, x, row_slots, a, b, s, _Tiled(tri, tiles))
+                timings.append(LoraTiming(lay.name, module, form, rows, _time_ms(lora, smoke),
+                                          _time_ms(lambda x=x, w=w: x @ w.t(), smoke)))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"rank": LORA_RANK, "adapters": LORA_SLOTS, "dtype": str(dtype).removeprefix("torch."),
+            "timings": [vars(t) | {"ratio": t.ratio} for t in timings],
+            "max_ratio": max((t.ratio for t in timings), default=0.0)}
+
+
+class _Tiled:
+    """The LoRA ops of `ops` called with `tiles` (GPU tiles under the interpreter)."""
+
+    def __init__(self, ops: Any, tiles: dict[str, str]) -> None:
+        self.ops, self.tiles = ops, tiles
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.ops, name)
+        return lambda *args: fn(*args, **self.tiles)
 
 
 def check_kernels(smoke: bool) -> Outcome:

@@ -22,7 +22,7 @@ def add_parser(subparsers: Any) -> None:
     """Register `bench` and every `bench` subcommand on the top-level subparsers."""
     bench = subparsers.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for register in (_offline, _structured, _grammar_load, _kernels, _overhead, _serve, _interference, _cluster,
-                     _aiperf):
+                     _priority, _lora, _spec, _aiperf):
         register(bench)
 
 
@@ -47,6 +47,45 @@ def run_offline(args: argparse.Namespace) -> int:
     run_offline_benchmark(num_requests=args.num_requests, output_len=args.output_len, min_prompt=args.min_prompt,
                           max_prompt=args.max_prompt, skip_transformers=args.skip_transformers,
                           out_dir=args.out_dir, max_num_seqs=args.max_num_seqs, dtype=args.dtype)
+    return 0
+
+
+def _lora(bench: Any) -> None:
+    p = bench.add_parser("lora", help="multi-LoRA: throughput with 4 adapters + base vs base, load time, memory")
+    options.num_requests(p, 32, help="requests submitted at once, round-robin over 4 adapters and the base model")
+    options.output_len(p, 128)
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (about)")
+    p.add_argument("--repeats", type=int, default=2, help="base / LoRA-mix runs, alternating; the best of each")
+    options.out_dir(p)
+    p.set_defaults(func=run_lora)
+
+
+def run_lora(args: argparse.Namespace) -> int:
+    """bench/lora.py; returns 0."""
+    from tritium.client.bench.lora import run_lora_benchmark
+
+    run_lora_benchmark(out_dir=args.out_dir, num_requests=args.num_requests, output_len=args.output_len,
+                       input_len=args.input_len, repeats=args.repeats)
+    return 0
+
+
+def _spec(bench: Any) -> None:
+    p = bench.add_parser("spec", help="one stream with and without n-gram speculative decoding: ITL, acceptance")
+    options.num_requests(p, 4, help="requests per workload, one at a time")
+    options.output_len(p, 128)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each workload and engine, alternating; the best")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k: draft tokens per step at most")
+    options.smoke(p, help="one request of 8 tokens, one repeat: checks the script")
+    options.out_dir(p)
+    p.set_defaults(func=run_spec)
+
+
+def run_spec(args: argparse.Namespace) -> int:
+    """bench/spec.py; returns 0."""
+    from tritium.client.bench.spec import run_spec_benchmark
+
+    run_spec_benchmark(out_dir=args.out_dir, num_requests=args.num_requests, output_len=args.output_len,
+                       repeats=args.repeats, num_speculative_tokens=args.num_speculative_tokens, smoke=args.smoke)
     return 0
 
 
@@ -199,6 +238,35 @@ def run_cluster(args: argparse.Namespace) -> int:
         skip_vllm_router=args.skip_vllm_router,
     )
     return 1 if has_errors(report) else 0
+
+
+def _priority(bench: Any) -> None:
+    p = bench.add_parser("priority", help="request priority: TTFT of 10%% high-priority requests vs the rest, "
+                         "and throughput vs fcfs, under an open-loop load (in-process)")
+    options.model(p, help="model folder (default: the default model)")
+    options.num_requests(p, 400)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    options.output_len(p, 128, help="output tokens per request (ignore_eos)")
+    p.add_argument("--request-rate", type=float, default=32.0, help="Poisson arrivals per second (0: all at once)")
+    p.add_argument("--high-fraction", type=float, default=0.1, help="share of high-priority requests")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    options.smoke(p, help="a few short requests: checks the script")
+    options.out_dir(p)
+    p.set_defaults(func=run_priority)
+
+
+def run_priority(args: argparse.Namespace) -> int:
+    """bench/priority.py; returns 0. Raises RuntimeError when a request fails."""
+    from tritium.client.bench.priority import run_priority_benchmark
+
+    if args.smoke:
+        run_priority_benchmark(num_requests=12, input_len=16, output_len=4, request_rate=0, max_num_seqs=4,
+                               model=args.model, out_dir=args.out_dir)
+        return 0
+    run_priority_benchmark(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+                           request_rate=args.request_rate, high_fraction=args.high_fraction,
+                           max_num_seqs=args.max_num_seqs, model=args.model, out_dir=args.out_dir)
+    return 0
 
 
 def _aiperf(bench: Any) -> None:

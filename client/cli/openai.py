@@ -4,6 +4,7 @@ one, tritium's router picks the replica)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -21,6 +22,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=9000)
     options.api_key(p, help="require Authorization: Bearer KEY; also sent to Triton "
                     f"(default: ${options.API_KEY_ENV})")
+    p.add_argument("--admin-key", default=os.environ.get(options.ADMIN_KEY_ENV),
+                   help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which then take "
+                   "Authorization: Bearer ADMIN_KEY (not the --api-key); sent on to every upstream, whose model must "
+                   f"have the same key (tritium serve --admin-key) (default: ${options.ADMIN_KEY_ENV}; none: those "
+                   "routes answer 404)")
     options.model(p, default="tritium", help="Triton model name, also the OpenAI model id")
     options.tokenizer(p, "model folder whose tokenizer/chat template to use")
     p.add_argument("--max-concurrency", type=int, default=256,
@@ -42,5 +48,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer,
                  max_concurrency=args.max_concurrency, metrics_urls=args.upstream_metrics,
-                 expose_model_path=args.expose_model_path)
+                 expose_model_path=args.expose_model_path, admin_key=args.admin_key or None)
     return 0

@@ -8,6 +8,7 @@ import argparse
 import os
 
 API_KEY_ENV = "TRITIUM_API_KEY"
+ADMIN_KEY_ENV = "TRITIUM_ADMIN_KEY"  # tritonserver's admin APIs, the model's LoRA admin actions, the endpoint's
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
 DEFAULT_OUT_DIR = "bench_results"
 

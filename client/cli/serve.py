@@ -15,7 +15,8 @@ from tritium.client.cli import options
 if TYPE_CHECKING:
     from tritium.client.triton.launcher import ServerOptions, TritonServer
 
-ADMIN_KEY_ENV = "TRITIUM_ADMIN_KEY"
+ADMIN_KEY_ENV = options.ADMIN_KEY_ENV
+LORA_MODEL = "tritium"  # the model `--lora` / `--enable-lora` turn LoRA on for
 HEALTH_POLL_S = 1.0  # how often `serve` reads tritium_engine_healthy from the metrics port
 # The request `serve` prints for a newcomer to copy: a question the default (instruct) model answers in a
 # sentence, through its chat template (a bare question makes it end at once). tests/server/test_server.py sends it.
@@ -41,8 +42,9 @@ def add_parser(subparsers: Any) -> None:
     options.api_key(p, help="require this x-api-key for inference, metadata, model config and statistics "
                     f"(default: ${options.API_KEY_ENV})")
     p.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
-                   help=f"require this x-admin-key for model load/unload, logging, trace and shared memory "
-                   f"(default: ${ADMIN_KEY_ENV}; with --api-key but no admin key those stay closed)")
+                   help=f"require this x-admin-key for model load/unload, logging, trace and shared memory; "
+                   "also the key of the tritium model's runtime LoRA load/unload (give `tritium openai` the same "
+                   f"--admin-key) (default: ${ADMIN_KEY_ENV}; with --api-key but no admin key those stay closed)")
     p.add_argument("--model-control", choices=["none", "explicit"], default="none",
                    help="none: load every model at start-up; explicit: only --load-model ones (either way "
                    "a model whose engine fails is unloaded)")
@@ -56,8 +58,34 @@ def add_parser(subparsers: Any) -> None:
                         "CPU, bfloat16 on CUDA; bfloat16 is faster on CPUs with bf16 instructions)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="the engines' intra-op threads on a CPU (model.json's num_threads; default: sized to the host)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help=f"serve the PEFT LoRA adapter in folder PATH as NAME on the {LORA_MODEL} model (repeat; "
+                   "sets model.json's enable_lora and lora_modules in a copy of the repository)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help=f"turn LoRA on for the {LORA_MODEL} model without adapters at start (load them at run time "
+                   "with --admin-key)")
     options.unsafe_no_auth(p)
     p.set_defaults(func=run)
+
+
+def lora_settings(specs: list[str], enable: bool) -> dict[str, Any]:
+    """model.json settings for `--lora NAME=PATH` options (folders made absolute) and `--enable-lora`: {} when
+    neither is given. Raises ValueError naming an option that is not NAME=PATH, a name given twice or a
+    folder that does not exist."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
+        if name in modules:
+            raise ValueError(f"--lora {name!r} is given twice")
+        folder = Path(path).expanduser().resolve()
+        if not folder.is_dir():
+            raise ValueError(f"--lora {name}={path}: no such folder")
+        modules[name] = str(folder)
+    if not modules and not enable:
+        return {}
+    return {"enable_lora": True, "lora_modules": modules}
 
 
 def auth_summary(options: ServerOptions) -> str:
@@ -102,10 +130,17 @@ def run(args: argparse.Namespace) -> int:
     if (refusal := open_bind_refusal(args.host, bool(args.api_key), args.unsafe_no_auth)) is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
+    try:
+        lora = lora_settings(args.lora, args.enable_lora)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.admin_key:  # the tritium models read their LoRA admin key from tritonserver's environment
+        os.environ[ADMIN_KEY_ENV] = args.admin_key
     repository = Path(args.model_repository).resolve()
     overrides = {key: value for key, value in (("quantization", args.quantization), ("dtype", args.dtype),
                                                ("num_threads", args.num_threads)) if value is not None}
-    if overrides:  # a copy of the repository with the engine models' settings changed; the original stays as it is
+    if overrides or lora:  # a copy of the repository with the engine models' settings changed; the original stays
         import tempfile
 
         from tritium.client.triton.repository import copy_with_settings
@@ -113,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
         copy = Path(tempfile.mkdtemp(prefix="tritium-repository-")) / "repository"
         engines = [m.parent.parent.name for m in repository.glob("*/1/model.json")  # engine models, not codecs
                    if "max_num_seqs" in json.loads(m.read_text(encoding="utf-8"))]
-        repository = copy_with_settings(copy, {name: overrides for name in engines}, source=repository)
-        print(f"serving a copy of the repository with {overrides} for {', '.join(sorted(engines))}", flush=True)
+        per_model = {name: overrides | (lora if name == LORA_MODEL else {}) for name in engines}
+        repository = copy_with_settings(copy, per_model, source=repository)
+        for name in sorted(engines):
+            if per_model[name]:
+                print(f"serving a copy of the repository with {per_model[name]} for {name}", flush=True)
     server_options = ServerOptions(
         model_repository=repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
@@ -152,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(0.25)
     print("stopping ...", flush=True)
     server.stop()
-    if overrides:
+    if overrides or lora:
         import shutil
 
         shutil.rmtree(repository.parent, ignore_errors=True)

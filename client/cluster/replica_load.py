@@ -9,7 +9,9 @@ router reads the same `EngineLoad` to pick a replica, so every layer sees one tr
                                    preempted)
 - `vllm:kv_cache_usage_perc`    <- `tritium_kv_cache_usage_ratio` (0..1, as vLLM's despite the name)
 - `vllm:cache_config_info{block_size, num_gpu_blocks}` <- `tritium_kv_cache_block_size`, `tritium_kv_cache_blocks`
-- `vllm:lora_requests_info{max_lora="0", running_lora_adapters="", waiting_lora_adapters=""}`: no LoRA yet
+- `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` <- the newest series of
+  `tritium_lora_requests_info` (value: when it changed, unix time); over several engines the largest
+  `max_lora` and every engine's adapters (`max_lora="0"` and no adapters without LoRA or without metrics)
 - `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` <- tritium's prefix-cache token counters
 
 Values are summed over the model's versions (each version is its own engine). The engine pushes them at most
@@ -24,12 +26,13 @@ are left out (None), never reported as 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,33 @@ SCRAPE_TIMEOUT_S = 2.0  # for the whole page: connecting, headers and body
 MAX_METRICS_BYTES = 8 << 20
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _names(labels: str) -> frozenset[str]:
+    return frozenset(name for name in labels.split(",") if name)
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """An engine's LoRA state as `tritium_lora_requests_info` says it: device slots (`max_lora`, 0: LoRA off),
+    the adapters of running and of waiting requests, and when that last changed (unix time, 0: never said)."""
+
+    max_lora: int = 0
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    updated: float = 0.0
+
+    @classmethod
+    def from_labels(cls, labels: dict[str, str], value: float) -> LoraInfo:
+        """One series of `tritium_lora_requests_info` (labels and value). Raises ValueError for a `max_lora`
+        that is no count."""
+        return cls(int(labels.get("max_lora", "0")), _names(labels.get("running_lora_adapters", "")),
+                   _names(labels.get("waiting_lora_adapters", "")), value)
+
+    def add(self, other: LoraInfo) -> LoraInfo:
+        """Two engines' states as one: the larger slot count, both engines' adapters, the later change."""
+        return LoraInfo(max(self.max_lora, other.max_lora), self.running | other.running,
+                        self.waiting | other.waiting, max(self.updated, other.updated))
 
 
 @dataclass
@@ -54,6 +84,7 @@ class EngineLoad:
     prefix_queried_tokens: int = 0
     engines: int = 0
     healthy: bool = False
+    lora: LoraInfo = field(default_factory=lambda: LoraInfo())
 
     @classmethod
     def in_flight(cls, streaming: int, not_started: int) -> EngineLoad:
@@ -81,7 +112,8 @@ class EngineLoad:
             block_size=self.block_size or other.block_size,
             prefix_hit_tokens=self.prefix_hit_tokens + other.prefix_hit_tokens,
             prefix_queried_tokens=self.prefix_queried_tokens + other.prefix_queried_tokens,
-            engines=self.engines + other.engines, healthy=self.healthy or other.healthy)
+            engines=self.engines + other.engines, healthy=self.healthy or other.healthy,
+            lora=self.lora.add(other.lora))
 
 
 def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -118,8 +150,15 @@ def engine_load(metrics_text: str, model: str) -> EngineLoad:
     page says nothing reliable about the load."""
     load = EngineLoad()
     ratio_sum = 0.0
+    lora: dict[str, LoraInfo] = {}  # version -> its newest series
     for name, labels, value in parse_samples(metrics_text):
         if labels.get("model") != model:
+            continue
+        if name == "tritium_lora_requests_info":
+            version = labels.get("version", "")
+            if math.isfinite(value) and (version not in lora or value > lora[version].updated):
+                with contextlib.suppress(ValueError):  # a max_lora that is no count: this series says nothing
+                    lora[version] = LoraInfo.from_labels(labels, value)
             continue
         if not math.isfinite(value) and (name in _FIELDS or name.startswith("tritium_kv_cache")
                                          or name == "tritium_engine_healthy"):
@@ -134,6 +173,8 @@ def engine_load(metrics_text: str, model: str) -> EngineLoad:
                 load.block_size = int(value)
             else:
                 setattr(load, field, (getattr(load, field) or 0) + int(value))
+    for info in lora.values():
+        load.lora = load.lora.add(info)
     if load.kv_blocks:
         load.kv_cache_usage = load.kv_used_blocks / load.kv_blocks
     elif load.engines:
@@ -194,6 +235,7 @@ def vllm_metrics(load: EngineLoad, model_name: str) -> str:
     """vLLM's gauges and prefix-cache counters for `load`, in Prometheus text, labelled as vLLM labels them
     (`engine`, `model_name`)."""
     label = f'engine="0",model_name="{_label_value(model_name)}"'
+    lora = load.lora
     lines = [
         "# HELP vllm:num_requests_running Requests in the running batch (tritium_num_requests_running).",
         "# TYPE vllm:num_requests_running gauge",
@@ -213,10 +255,12 @@ def vllm_metrics(load: EngineLoad, model_name: str) -> str:
             f'num_gpu_blocks="{load.kv_blocks}",{label}}} 1.0',
         ]
     lines += [
-        "# HELP vllm:lora_requests_info LoRA adapters in use (tritium serves none).",
+        "# HELP vllm:lora_requests_info LoRA slots and the adapters of running and waiting requests.",
         "# TYPE vllm:lora_requests_info gauge",
-        f'vllm:lora_requests_info{{max_lora="0",running_lora_adapters="",waiting_lora_adapters="",{label}}} '
-        f"{time.time():.1f}",  # vLLM's value: when the adapters last changed; readers take the newest series
+        f'vllm:lora_requests_info{{max_lora="{lora.max_lora}",'
+        f'running_lora_adapters="{_label_value(",".join(sorted(lora.running)))}",'
+        f'waiting_lora_adapters="{_label_value(",".join(sorted(lora.waiting)))}",{label}}} '
+        f"{lora.updated or time.time():.3f}",  # vLLM's value: when the adapters last changed; readers take the newest
         "# HELP vllm:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.",
         "# TYPE vllm:prefix_cache_queries_total counter",
         f"vllm:prefix_cache_queries_total{{{label}}} {load.prefix_queried_tokens}",

@@ -31,6 +31,7 @@ from tritium.client.openai.chat import chat_completion
 from tritium.client.openai.completions import completion
 from tritium.client.openai.errors import http_error_response, validation_error_response
 from tritium.client.openai.guard import RequestGuard
+from tritium.client.openai.lora import add_lora_routes
 from tritium.client.openai.protocol import DEFAULT_MAX_CONCURRENCY, ChatRequest, CompletionRequest
 from tritium.client.openai.replica_routes import add_replica_routes
 from tritium.client.openai.service import OpenAIService
@@ -41,8 +42,11 @@ MAX_BODY_BYTES = 4 << 20
 def create_app(upstreams: list[str], api_key: str | None = None, model: str = "tritium",
                tokenizer: Tokenizer | None = None, default_max_tokens: int = 16,
                max_concurrency: int = DEFAULT_MAX_CONCURRENCY, metrics_urls: list[str | None] | None = None,
-               model_path: str | None = None, max_model_len: int | None = None) -> FastAPI:
-    """The endpoint's app in front of the tritonservers at `upstreams` (gRPC addresses), serving `model`.
+               model_path: str | None = None, max_model_len: int | None = None,
+               admin_key: str | None = None) -> FastAPI:
+    """The endpoint's app in front of the tritonservers at `upstreams` (gRPC addresses), serving `model` and the
+    LoRA adapters the upstreams hold. `admin_key`: turns on `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+    (they take `Authorization: Bearer <admin_key>`; the key is sent on to the upstreams).
     `metrics_urls`: each upstream's tritonserver metrics (engine load and health; the `vllm:*` gauges);
     `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report. Without `tokenizer`, the default
     model's. `app.state.router` and `app.state.admission` are the router and the upstream seats it uses.
@@ -63,7 +67,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
     app = FastAPI(title="tritium OpenAI-compatible API", lifespan=lifespan)
     app.state.router = router
     app.state.admission = service.admission
-    app.add_middleware(RequestGuard, api_key=api_key, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(RequestGuard, api_key=api_key, max_bytes=MAX_BODY_BYTES, admin_key=admin_key)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -75,7 +79,14 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "tritium"}]}
+        base = {"id": model, "object": "model", "created": 0, "owned_by": "tritium", "root": model_path or model,
+                "parent": None, "max_model_len": max_model_len}
+        adapters = [{"id": a.name, "object": "model", "created": 0, "owned_by": "tritium", "root": a.path,
+                     "parent": model, "max_model_len": max_model_len}
+                    for a in (await service.adapters.current()).values()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    add_lora_routes(app, router, service.adapters, model, admin_key)
 
     add_replica_routes(app, service)
 
@@ -104,10 +115,12 @@ def model_max_len(folder: str | Path) -> int | None:
 
 def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None, model: str,
                  tokenizer_path: str | None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-                 metrics_urls: list[str] | None = None, expose_model_path: bool = False) -> None:
+                 metrics_urls: list[str] | None = None, expose_model_path: bool = False,
+                 admin_key: str | None = None) -> None:
     """Serve the endpoint until stopped. `metrics_urls`: one per upstream, in order; without them an upstream on
     Triton's default gRPC port 8001 is read at its host's port 8002, others not at all (their load is then
     counted from this endpoint's own requests). `expose_model_path`: /model_info names the local model folder.
+    `admin_key`: turns on the runtime LoRA routes (see `create_app`).
     Raises SystemExit when the number of `metrics_urls` does not match the upstreams."""
     import uvicorn
 
@@ -122,7 +135,7 @@ def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None
     urls: list[str | None] = list(metrics_urls) if metrics_urls else [default_metrics_url(u) for u in upstreams]
     app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer, max_concurrency=max_concurrency,
                      metrics_urls=urls, model_path=str(folder) if expose_model_path else None,
-                     max_model_len=model_max_len(folder))
+                     max_model_len=model_max_len(folder), admin_key=admin_key)
     print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

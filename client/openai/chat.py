@@ -120,9 +120,12 @@ async def chat_completion(service: OpenAIService, body: ChatRequest, request: Re
                           ) -> dict[str, Any] | JSONResponse | StreamingResponse:
     """The answer to a chat completion request: the chat.completion object, its stream, or an error
     response (400 a field or the messages, 404 the model, 503 overloaded or no replica, 499 client gone)."""
-    if (bad := service.wrong_model(body.model)) is not None:
+    lora_name, bad = await service.resolve_model(body.model)
+    if bad is not None:
         return bad
     sampling = body.sampling(service.default_max_tokens)
+    if lora_name is not None:
+        sampling["lora_name"] = lora_name
     if body.max_completion_tokens:
         sampling["max_tokens"] = body.max_completion_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -154,5 +157,5 @@ async def chat_completion(service: OpenAIService, body: ChatRequest, request: Re
     choices = await service.collect_or_error(request, [prompt], sampling, body.n, want_lp)
     if isinstance(choices, JSONResponse):
         return choices
-    build = functools.partial(_completion_body, service.model, choices, body.n, parser, logprobs)
+    build = functools.partial(_completion_body, service.served_name(body.model), choices, body.n, parser, logprobs)
     return await asyncio.to_thread(build) if want_lp else build()

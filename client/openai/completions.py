@@ -49,7 +49,7 @@ class _CompletionChoices:
         n = self.body.n
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": self.service.model,
+            "model": self.service.served_name(self.body.model),
             "choices": [{"index": i, "text": (self.prompts[i // n] if self.body.echo else "") + c.text,
                          "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason}
                         for i, c in sorted(choices.items())],
@@ -61,7 +61,8 @@ async def completion(service: OpenAIService, body: CompletionRequest, request: R
                      ) -> dict[str, Any] | JSONResponse | StreamingResponse:
     """The answer to a completion request: the text_completion object, its stream, or an error response
     (400 a field, 404 the model, 503 overloaded or no replica, 499 client gone)."""
-    if (bad := service.wrong_model(body.model)) is not None:
+    lora_name, bad = await service.resolve_model(body.model)
+    if bad is not None:
         return bad
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
     if not prompts or any(not p for p in prompts):
@@ -73,6 +74,8 @@ async def completion(service: OpenAIService, body: CompletionRequest, request: R
         return error_response(400, f"n times the number of prompts must be at most {MAX_CHOICES}, got "
                               f"{body.n} x {len(prompts)}", param="n")
     sampling = body.sampling(service.default_max_tokens)
+    if lora_name is not None:
+        sampling["lora_name"] = lora_name
     if (bad := budget_error(len(prompts) * body.n, sampling["max_tokens"], "max_tokens")) is not None:
         return bad
     try:

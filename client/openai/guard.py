@@ -23,6 +23,7 @@ from tritium.client.openai.protocol import error_response
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # health, load, model facts and metrics stay open
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})  # the admin key's, not the API key's
 
 
 def new_request_id() -> str:
@@ -56,26 +57,41 @@ class Admission:
 
 
 class RequestGuard:
-    """ASGI middleware: the API key on KEYED_PATHS first, then the request body, read whole and counted as it
-    arrives (a chunked body has no Content-Length): 413 once it passes `max_bytes`, 400 for a malformed
-    Content-Length. The app then gets the body in one message."""
+    """ASGI middleware: the API key on KEYED_PATHS first (the admin key, never the API key, on ADMIN_PATHS: 404
+    saying why when the endpoint has none, as vLLM without runtime LoRA updating; 401 a wrong or missing one),
+    then the request body, read whole and counted as it arrives (a chunked body has no Content-Length): 413
+    once it passes `max_bytes`, 400 for a malformed Content-Length. The app then gets the body in one message."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int, admin_key: str | None = None) -> None:
         self.app = app
         self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.expected_admin_auth = f"Bearer {admin_key}".encode() if admin_key is not None else None
         self.max_bytes = max_bytes
+
+    def refusal(self, path: str, authorization: bytes) -> JSONResponse | None:
+        """The error for a request whose key does not open `path`; None when it may go on."""
+        if path in ADMIN_PATHS:
+            if self.expected_admin_auth is None:
+                return error_response(404, "runtime LoRA updating is off: start the endpoint with --admin-key "
+                                      "(or $TRITIUM_ADMIN_KEY) to load and unload adapters", code="not_found")
+            if not hmac.compare_digest(authorization, self.expected_admin_auth):
+                return error_response(401, "Incorrect or missing admin key (Authorization: Bearer <admin key>; "
+                                      "the API key does not open this route)", code="invalid_api_key")
+            return None
+        if (self.expected_auth is not None and path.startswith(KEYED_PATHS)
+                and not hmac.compare_digest(authorization, self.expected_auth)):
+            return error_response(401, "Incorrect or missing API key (Authorization: Bearer ...)",
+                                  code="invalid_api_key")
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self.expected_auth is not None and scope["path"].startswith(KEYED_PATHS):
-            given = headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected_auth):
-                await error_response(401, "Incorrect or missing API key (Authorization: Bearer ...)",
-                                     code="invalid_api_key")(scope, receive, send)
-                return
+        if (refused := self.refusal(scope["path"], headers.get("authorization", "").encode("latin-1"))) is not None:
+            await refused(scope, receive, send)
+            return
         length = headers.get("content-length")
         if length is not None and not (length.isascii() and length.isdigit()):
             await error_response(400, "Content-Length must be a number of bytes")(scope, receive, send)

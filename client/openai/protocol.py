@@ -108,17 +108,17 @@ def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
 # SamplingParams fields beyond OpenAI's that the endpoint accepts under their own names, as vLLM does.
 # Adding a name here is all it takes: the field, its type and its bounds come from SamplingParams.
 VLLM_EXTRA_FIELDS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
-                     "include_stop_str_in_output", "skip_special_tokens")
+                     "include_stop_str_in_output", "skip_special_tokens", "priority")
 # Fields that SGLang/vLLM routers (sglang-router, vllm-router) add to the requests they forward, accepted with
 # any value and ignored: no_stop_trim (a stop string is always trimmed unless include_stop_str_in_output),
 # return_hidden_states and return_text_in_logprobs (not returned), separate_reasoning and stream_reasoning
 # (no reasoning parser: the text is all content), rid and request_id (the endpoint names its own requests),
-# lora_path (no LoRA), session_params, the disaggregation bootstrap_* fields, priority,
+# lora_path (an adapter is chosen by `model`), session_params, the disaggregation bootstrap_* fields,
 # spaces_between_special_tokens, cache_salt, data_parallel_rank, include_reasoning.
 ROUTER_IGNORED_FIELDS = (
     "no_stop_trim", "return_hidden_states", "return_text_in_logprobs", "separate_reasoning", "stream_reasoning",
     "include_reasoning", "rid", "request_id", "lora_path", "session_params", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "priority", "spaces_between_special_tokens", "cache_salt", "data_parallel_rank",
+    "bootstrap_room", "spaces_between_special_tokens", "cache_salt", "data_parallel_rank",
 )
 
 

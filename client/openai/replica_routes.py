@@ -190,7 +190,7 @@ def add_replica_routes(app: FastAPI, service: OpenAIService) -> None:
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeBody) -> dict[str, Any] | JSONResponse:
-        if (bad := service.wrong_model(body.model)) is not None:
+        if (bad := await service.wrong_model(body.model)) is not None:
             return bad
         if isinstance(body, TokenizeChat):
             chat = ChatRequest.model_construct(model=model, messages=body.messages, tools=body.tools)
@@ -209,7 +209,7 @@ def add_replica_routes(app: FastAPI, service: OpenAIService) -> None:
 
     @app.post("/detokenize", response_model=None)
     async def detokenize(body: Detokenize) -> dict[str, Any] | JSONResponse:
-        if (bad := service.wrong_model(body.model)) is not None:
+        if (bad := await service.wrong_model(body.model)) is not None:
             return bad
         if (out := next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)) is not None:
             return error_response(400, f"tokens: every id must be in [0, {tokenizer.vocab_size}), got {out}",
@@ -218,7 +218,7 @@ def add_replica_routes(app: FastAPI, service: OpenAIService) -> None:
 
     @app.post("/v1/completions/render", response_model=None)
     async def render_completion(body: CompletionRequest) -> list[dict[str, Any]] | JSONResponse:
-        if (bad := service.wrong_model(body.model)) is not None:
+        if (bad := await service.wrong_model(body.model)) is not None:
             return bad
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         if not prompts or any(not p for p in prompts):
@@ -232,7 +232,7 @@ def add_replica_routes(app: FastAPI, service: OpenAIService) -> None:
 
     @app.post("/v1/chat/completions/render", response_model=None)
     async def render_chat(body: ChatRequest) -> dict[str, Any] | JSONResponse:
-        if (bad := service.wrong_model(body.model)) is not None:
+        if (bad := await service.wrong_model(body.model)) is not None:
             return bad
         try:
             mode = body.tool_mode()

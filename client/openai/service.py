@@ -19,6 +19,7 @@ from tritium.client.cluster.router import Router
 from tritium.client.cluster.upstream import Chunk, UpstreamError
 from tritium.client.openai.errors import client_gone, model_not_found, upstream_response
 from tritium.client.openai.guard import Admission, new_request_id, unless_disconnected
+from tritium.client.openai.lora import AdapterCatalog, AdminClient
 from tritium.client.openai.protocol import MAX_SEED
 
 DECODE_CACHE_SIZE = 1 << 17  # token ids whose text is kept for logprobs
@@ -59,7 +60,8 @@ def usage(choices: dict[int, ChoiceResult], n: int) -> dict[str, int]:
 
 
 class OpenAIService:
-    """The state of one endpoint. `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report."""
+    """The state of one endpoint. `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report;
+    `adapters`: the LoRA adapters the upstreams serve (each a model of its own, `parent` the base)."""
 
     def __init__(self, router: Router, tokenizer: Tokenizer, model: str, default_max_tokens: int,
                  max_concurrency: int, model_path: str | None = None, max_model_len: int | None = None) -> None:
@@ -70,6 +72,7 @@ class OpenAIService:
         self.default_max_tokens = default_max_tokens
         self.model_path = model_path
         self.max_model_len = max_model_len
+        self.adapters = AdapterCatalog(router, AdminClient(router))
         self._decode_token = functools.lru_cache(maxsize=DECODE_CACHE_SIZE)(self._decode_uncached)
 
     def _decode_uncached(self, token_id: int) -> str:
@@ -80,9 +83,23 @@ class OpenAIService:
         """How many upstream replicas are up now."""
         return sum(r.healthy for r in self.router.replicas)
 
-    def wrong_model(self, name: str | None) -> JSONResponse | None:
-        """The 404 when a request names a model other than the served one; None when it names none or that."""
-        return model_not_found(name) if name is not None and name != self.model else None
+    def served_name(self, name: str | None) -> str:
+        """The `model` a response names: the request's (the base or an adapter), the served model without one."""
+        return name if name is not None else self.model
+
+    async def resolve_model(self, name: str | None) -> tuple[str | None, JSONResponse | None]:
+        """(the LoRA adapter a request's `model` names, None for the base model; None) or (None, the 404) when
+        it names neither the served model nor an adapter the upstreams serve."""
+        if name is None or name == self.model:
+            return None, None
+        if await self.adapters.lookup(name) is not None:
+            return name, None
+        return None, model_not_found(name)
+
+    async def wrong_model(self, name: str | None) -> JSONResponse | None:
+        """The 404 when a request names neither the served model nor a served adapter (which share its
+        tokenizer); None otherwise."""
+        return (await self.resolve_model(name))[1]
 
     def token_entries(self, logprobs: list[dict[str, float]]) -> list[TokenEntry]:
         """(sampled token text, its logprob, [(token text, logprob)] most likely first) per generated token.

@@ -41,7 +41,7 @@ async def stream_response(service: OpenAIService, request: Request, kind: Litera
     response (503 overloaded, 400 invalid) rather than a stream; 499 when the client left first."""
     id_prefix, obj = _KINDS[kind]
     head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
-            "model": service.model}
+            "model": sampling.get("lora_name", service.model)}
     request_id = new_request_id()
     chunks = service.run_choices(prompts, sampling, n, logprobs)
     try:

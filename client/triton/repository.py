@@ -50,6 +50,14 @@ def one_model_repository(dest: Path, settings: Mapping[str, Any] | None = None, 
     return dest
 
 
+def write_multi_lora(version_dir: Path, adapters: Mapping[str, str]) -> Path:
+    """Write `multi_lora.json` ({adapter name: folder}, the vLLM backend's file; folders may be relative to
+    `version_dir`) into a model's version folder; the model's `model.json` needs `enable_lora`. Returns the file."""
+    path = version_dir / "multi_lora.json"
+    path.write_text(json.dumps(dict(adapters), indent=2), encoding="utf-8")
+    return path
+
+
 def copy_with_settings(dest: Path, overrides: Mapping[str, Mapping[str, Any]],
                        source: Path = PACKAGE_REPOSITORY) -> Path:
     """A copy of the whole repository `source` at `dest`, each named model's version-1 `model.json` updated

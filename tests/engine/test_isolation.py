@@ -148,6 +148,7 @@ VARIED = {
     "stop": st.lists(st.text(min_size=0, max_size=4), max_size=3), "stop_token_ids": TOKEN_IDS,
     "include_stop_str_in_output": st.booleans(), "ignore_eos": st.booleans(),
     "logprobs": st.one_of(st.none(), EXTREME_INTS), "skip_special_tokens": st.booleans(),
+    "priority": st.one_of(st.just(0), EXTREME_INTS),  # fcfs here: any other value is refused at admission
     "structured_output": st.one_of(st.none(), st.sampled_from([
         {"choice": ["yes", "no"]}, {"regex": "[0-9]{1,4}"}, {"json_object": True}, {"regex": "a"},
         {"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},

@@ -86,7 +86,7 @@ def test_a_mixed_batch_gives_each_request_its_solo_tokens(
         make_llm: Callable[..., LLM], tiny_llama_path: Path, adapters: dict[str, Path], prompts: list[list[int]],
         solo: dict[str | None, list[list[int]]]) -> None:
     batch, names = mixed(prompts)
-    # enforce_eager=False: decode steps on the graph path's buckets, which steps with adapter rows leave
+    # enforce_eager=False: decode steps on the graph path's buckets, those with adapter rows on the LoRA graph path
     llm = lora_llm(make_llm, tiny_llama_path, adapters, enforce_eager=False, block_size=8)
     assert [o.token_ids for o in llm.generate(batch, GREEDY, lora_name=names)] == expected(solo, prompts, batch, names)
     hits = llm.engine.block_manager.prefix_hit_tokens

@@ -33,7 +33,9 @@ from tritium.kernels.token_bitmask import apply_token_bitmask
 
 KERNELS = {"store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel",
            "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel", "token_bitmask_kernel",
-           "int8_gemm_kernel"}  # the W8A16 GEMM: the check builds every model shape as an int8 engine too
+           "int8_gemm_kernel",  # the W8A16 GEMM: the check builds every model shape as an int8 engine too
+           "lora_shrink_kernel", "lora_expand_kernel", "lora_shrink_rows_kernel",  # and as a LoRA engine (rank 16)
+           "lora_expand_rows_kernel"}
 DTYPES = ("fp16", "bf16", "fp32")
 # dtype, head_dim, GQA group: the eight models in every dtype, head_dim 32 and 256 in bf16
 ATTENTION = set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8))) | {("bf16", 32, 4), ("bf16", 256, 2)}
@@ -61,6 +63,8 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
     assert len(bitmask) == 2  # int32 and int64 rows; fp32 logits of every vocabulary size (all multiples of 16)
     int8 = {(r["dtype"], r["constexprs"]["BLOCK_M"]) for r in mine if r["kernel"] == "int8_gemm_kernel"}
     assert int8 == {("fp16", 16), ("fp16", 64), ("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 32)}, int8
+    lora = {(r["kernel"], r["dtype"]) for r in mine if r["kernel"].startswith("lora_")}
+    assert lora == {(k, d) for k in KERNELS if k.startswith("lora_") for d in DTYPES}, lora
 
 
 def test_the_check_covers_kernels_dtypes_head_dims_groups_and_splits() -> None:

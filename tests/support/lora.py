@@ -8,45 +8,29 @@ import math
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
-from tritium.backend.lora.adapter import module_shapes
 from tritium.backend.models.config import ModelConfig
+from tritium.client.bench.lora import peft_key, write_random_adapter
 
 # A model small enough to build by hand (unit tests): 2 layers, hidden 16, 4 heads of 4 (2 KV heads).
 SMALL_CONFIG = ModelConfig(
     architecture="LlamaForCausalLM", vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-5, rope_theta=10000.0,
     max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False)
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def key(layer: int, module: str, which: str) -> str:
     """The PEFT name of a LoRA weight (`which`: "A" or "B")."""
-    return f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}.lora_{which}.weight"
+    return peft_key(layer, module, which)
 
 
 def write_adapter(dest: Path, cfg: ModelConfig, rank: int, targets: tuple[str, ...], seed: int, alpha: float = 16.0,
                   use_rslora: bool = False, std: float = 0.15, **config: object) -> Path:
     """A PEFT adapter folder for a model of `cfg`: random A and B (normal, `std`) for `targets` in every layer;
-    extra `config` entries go into adapter_config.json as they are. Returns `dest`."""
-    shapes = module_shapes(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg.num_hidden_layers):
-        for module in targets:
-            d_in, d_out = shapes[module]
-            tensors[key(layer, module, "A")] = torch.randn(rank, d_in, generator=gen) * std
-            tensors[key(layer, module, "B")] = torch.randn(d_out, rank, generator=gen) * std
-    dest.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
-    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-                      "use_rslora": use_rslora, "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
-                      **config}
-    (dest / "adapter_config.json").write_text(json.dumps(adapter_config), encoding="utf-8")
-    return dest
+    extra `config` entries go into adapter_config.json as they are (the package's writer, which `tritium bench
+    lora` uses too). Returns `dest`."""
+    return write_random_adapter(dest, cfg, rank, targets, seed, alpha, use_rslora, std, **config)
 
 
 def merge_adapter(model: Path, adapter: Path, dest: Path) -> Path:

@@ -203,7 +203,7 @@ def _config_inputs(model: str) -> dict[str, str]:
 @pytest.mark.parametrize("model", ["tritium_ids", "tritium_ensemble"])
 def test_ids_scalar_inputs_are_sampling_fields_with_matching_tensor_types(model: str) -> None:
     inputs = _config_inputs(model)
-    others = {"input_ids", "text_input", "apply_chat_template", "stream", "stop_words"}
+    others = {"input_ids", "text_input", "apply_chat_template", "stream", "stop_words", "lora_name"}
     assert set(inputs) - others == set(SCALAR_INPUTS)
     tensor_types = {int: {"INT32", "INT64", "UINT32", "UINT64"}, float: {"FP32", "FP64"}}
     for name, kind in SCALAR_INPUTS.items():

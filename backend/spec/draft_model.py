@@ -1,0 +1,90 @@
+"""A smaller model with the same tokenizer as drafter (`{"method": "draft_model", "model": folder}`).
+
+It has its own KV cache tensors, indexed by the target's block tables: the same token positions use the same
+slots, so it needs no block manager. Per speculating sequence and step it first catches up on the tokens it
+has not run yet (the prompt at first, then what verification accepted: one prefill chunk), then proposes k
+tokens greedily, one small forward pass each. Greedy drafts are deterministic given the tokens, which keeps
+verification exact (verify.py). The draft runs per sequence, eagerly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from tritium.backend.core.sequence import Sequence
+from tritium.backend.models.config import ModelConfig
+from tritium.backend.models.loader import load_model
+from tritium.backend.models.registry import resolve_model
+from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
+
+
+def tokenizer_digest(folder: Path) -> str | None:
+    """A hash of the folder's tokenizer.json (None when it has none)."""
+    path = folder / "tokenizer.json"
+    return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest() if path.is_file() else None
+
+
+class DraftModel:
+    """The drafter's weights and KV cache. Raises ValueError naming `speculative_config.model` when the folder's
+    vocabulary or tokenizer differs from the target's (or ModelFolderError when it cannot load)."""
+
+    def __init__(self, folder: str, target_path: Path, target: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int, num_blocks: int, block_size: int,
+                 backend: AttentionBackend) -> None:
+        path = resolve_model(folder)
+        config = ModelConfig.from_folder(path)
+        if config.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model {folder!r} has a vocabulary of {config.vocab_size} tokens; "
+                             f"the target model's has {target.vocab_size}: a draft model needs the same tokenizer")
+        if tokenizer_digest(path) != tokenizer_digest(target_path):
+            raise ValueError(f"speculative_config.model {folder!r}: its tokenizer.json differs from the target "
+                             "model's; a draft model needs the same tokenizer")
+        self.model = load_model(path, dtype, device, max_model_len)
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.width = -(-max_model_len // block_size)
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def propose(self, seq: Sequence, seen: int, k: int) -> list[int]:
+        """`k` greedy draft tokens after `seq`'s tokens, whose first `seen` the draft cache holds already. The
+        block table must cover `seq.num_tokens + k - 1` positions."""
+        tokens = seq.token_ids
+        run = tokens[seen:]
+        positions = list(range(seen, len(tokens)))
+        drafts: list[int] = []
+        for _ in range(k):
+            logits = self._forward(seq, run, positions)
+            token = int(logits.argmax())
+            drafts.append(token)
+            run, positions = [token], [positions[-1] + 1]
+        return drafts
+
+    def _forward(self, seq: Sequence, ids: list[int], positions: list[int]) -> torch.Tensor:
+        """The logits after the last of `ids` at `positions` (one prefill chunk; K/V written to their slots)."""
+        bs, table = self.block_size, seq.block_table
+        device = self.device
+        end = positions[-1] + 1
+        row = torch.zeros(1, self.width, dtype=torch.int32)
+        row[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.int32,
+                                      device=device),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, self.width, dtype=torch.int32, device=device),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
+            prefill_block_tables=row[:, : -(-end // bs)].to(device),
+            prefill_cu_seqlens_q=torch.tensor([0, len(ids)], dtype=torch.int32, device=device),
+            prefill_seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            prefill_max_query_len=len(ids),
+        )
+        hidden = self.model(torch.tensor(ids, dtype=torch.int32, device=device),
+                            torch.tensor(positions, dtype=torch.int32, device=device), self.kv_caches, meta,
+                            self.backend)
+        return self.model.compute_logits(hidden[-1:])[0]

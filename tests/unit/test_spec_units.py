@@ -1,0 +1,179 @@
+"""Speculative decoding without a model: the config, prompt lookup, the draft-length rule, the scheduler's
+verification bookkeeping (rollback of rejected drafts) and the exactness of verification by sampling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.scheduler import Scheduler
+from tritium.backend.core.sequence import Sequence
+from tritium.backend.sample.sampler import Sampler, SamplerOutput
+from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.serving.settings import load_settings
+from tritium.backend.spec.acceptance import RETRY_AFTER, WINDOW, AdaptiveDraftLength, SpecState
+from tritium.backend.spec.config import SpeculativeConfig
+from tritium.backend.spec.ngram import propose_ngram
+from tritium.backend.spec.speculator import Speculator
+from tritium.backend.spec.verify import accept_runs, position_views
+
+
+def test_config_in_vllm_shape_and_its_errors() -> None:
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
+    assert c == SpeculativeConfig("ngram", 3, 5, 5)  # one bound alone sets both
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2}) == SpeculativeConfig("ngram", 2, 2, 4)
+    assert SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": "small", "num_speculative_tokens": 3}) == \
+        SpeculativeConfig("draft_model", 3, model="small")
+    for raw, message in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model must name the draft model's folder"),
+        ({"num_speculative_tokens": 2, "model": "x"}, "for method 'draft_model' only"),
+        ({"method": "ngram"}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "must be <= prompt_lookup"),
+        ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
+        ("ngram", "must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(raw)
+
+
+def test_prompt_lookup_takes_the_longest_latest_match() -> None:
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
+    # The 3-gram [2, 3, 4] occurs at 1 and 6: the latest one is followed by 6, 7.
+    assert propose_ngram(tokens, 2, 1, 3) == [6, 7]
+    assert propose_ngram(tokens, 5, 1, 3) == [6, 7, 2, 3, 4]  # runs up to the end of the tokens
+    assert propose_ngram([5, 6, 7, 8], 3, 1, 3) == []  # nothing repeats
+    assert propose_ngram([5, 6, 7, 8, 7], 3, 2, 3) == []  # only a 1-gram repeats, below min
+    assert propose_ngram([5, 6, 7, 8, 7], 3, 1, 3) == [8, 7]
+    assert propose_ngram(tokens, 0, 1, 3) == []
+
+
+def test_draft_length_turns_down_to_off_retries_and_turns_up() -> None:
+    rule = AdaptiveDraftLength(4)
+    for _ in range(WINDOW):
+        rule.record(4, 0)
+    assert rule.current() == 2
+    for _ in range(WINDOW):
+        rule.record(2, 0)
+    assert rule.current() == 1
+    for _ in range(WINDOW):
+        rule.record(1, 0)
+    assert [rule.current() for _ in range(RETRY_AFTER)] == [0] * RETRY_AFTER  # off
+    assert rule.current() == 1  # retried
+    for _ in range(WINDOW):
+        rule.record(1, 1)
+    assert rule.current() == 2  # paying again: grows back, one at a time
+    for _ in range(WINDOW):
+        rule.record(2, 1)  # 50%: neither low nor high
+    assert rule.current() == 2
+
+
+def speculating(tokens: list[int], rid: str = "r", max_tokens: int = 100) -> Sequence:
+    s = Sequence(rid, None, tokens, SamplingParams(max_tokens=max_tokens, temperature=0), 0)
+    s.spec = SpecState(AdaptiveDraftLength(4))
+    return s
+
+
+def test_scheduler_runs_drafts_and_rolls_back_the_rejected_ones() -> None:
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.speculator = Speculator(SpeculativeConfig("ngram", 4, 1, 3), max_model_len=64)
+    a = speculating([1, 2, 3, 4, 5, 1, 2])  # lookup of [1, 2] drafts 3, 4, 5, 1
+    sched.add(a)
+    out = sched.schedule()
+    sched.update(out, [3])  # the prefill samples 3
+    assert a.token_ids[-1] == 3 and a.num_computed_tokens == 7
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.draft == [4, 5, 1, 2] and s.num_new_tokens == 5 and s.samples and out.drafts == [[4, 5, 1, 2]]
+    assert len(a.block_table) == 3  # 12 positions: the drafts' slots are allocated
+    # The target agreed with 4 and 5, then sampled 9 instead of 1: two drafts kept, 9 appended.
+    assert sched.update(out, [9], [[4, 5]]) == [3]
+    assert a.token_ids[7:] == [3, 4, 5, 9] and a.num_computed_tokens == 10
+    assert len(a.block_table) == 3 and blocks.num_free_blocks == 13
+    assert a.spec is not None and (a.spec.stats.num_draft_tokens, a.spec.stats.num_accepted_tokens) == (4, 2)
+    sched.finish(a, "abort")
+    # All rejected: the block only the drafts took is freed.
+    b = speculating([7, 8, 9, 7, 8, 9, 7, 8], "b")
+    sched.add(b)
+    sched.update(sched.schedule(), [9])
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.draft == [7, 8, 9, 7] and len(b.block_table) == 4  # positions 8..12
+    assert sched.update(out, [1], [[]]) == [1]
+    assert b.num_computed_tokens == 9 and b.token_ids[8:] == [9, 1] and len(b.block_table) == 3
+    assert blocks.num_free_blocks == 13
+    sched.finish(b, "abort")
+    assert blocks.num_free_blocks == 16
+
+
+def test_drafts_stop_at_max_tokens_and_a_stop_cuts_the_run() -> None:
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.speculator = Speculator(SpeculativeConfig("ngram", 4, 1, 3), max_model_len=64)
+    a = speculating([1, 2, 3, 1, 2], max_tokens=3)
+    a.params.stop_token_ids = [3]
+    sched.add(a)
+    sched.update(sched.schedule(), [3 + 10])  # first output token 13
+    a.token_ids[-1] = 1  # pretend it sampled 1 so that lookup of [2, ..] continues: [1, 2, 3, 1, 2, 1]
+    out = sched.schedule()
+    assert len(out.scheduled[0].draft) == 1  # max_tokens 3: one output so far, a verification adds up to 2
+    out.scheduled[0].draft[:] = [3]
+    out.drafts = [[3]]
+    assert sched.update(out, [5], [[3]]) == [1]  # the stop id 3 ends the run: 5 is never appended
+    assert a.finished and a.finish_reason == "stop" and a.token_ids[-1] == 3
+    assert blocks.num_free_blocks == 16
+
+
+def test_verification_by_sampling_keeps_the_target_distribution() -> None:
+    """Drafts are deterministic, so accepting d when the sample at its position equals d is rejection sampling
+    with a one-hot q: the first token is distributed as p0, and given that it is the draft, the second as p1."""
+    vocab = 64
+    p0 = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    p1 = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = torch.full((2, vocab), float("-inf"))
+    logits[0, :4], logits[1, :4] = p0.log(), p1.log()
+    draft = [1]  # drafted with probability 0.3 under the target
+    sampler = Sampler([vocab - 1], seed=0)
+    seq = Sequence("r", None, [5, 6], SamplingParams(temperature=1.0, seed=7, max_tokens=10), 0)
+    sampler.add_request("r", 7)
+    n = 4000
+    first = torch.zeros(4)
+    second = torch.zeros(4)
+    for _ in range(n):
+        run = accept_runs([draft], sampler(logits, position_views([seq], [draft])))
+        tokens = [*run.accepted[0], run.sampled.token_ids[0]]
+        first[tokens[0]] += 1
+        if tokens[0] == draft[0]:
+            second[tokens[1]] += 1
+    assert chi_square(first, p0) < 16.3  # 3 degrees of freedom: p = 0.001
+    assert chi_square(second, p1) < 16.3
+    assert second.sum() > 0.25 * n
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_accept_runs_stops_at_the_first_mismatch_or_error() -> None:
+    rows = SamplerOutput([4, 5, 8, 7, 2, None, 1], [None] * 7, [None] * 5 + ["boom", None])
+    out = accept_runs([[4, 5, 6], [], [3]], rows)
+    assert out.accepted == [[4, 5], [], []] and out.sampled.token_ids == [8, 2, None]
+    assert out.sampled.errors == [None, None, "boom"]
+
+
+def test_model_json_takes_speculative_config(tmp_path: Path) -> None:
+    (tmp_path / "draft").mkdir()
+    config = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 2}
+    (tmp_path / "model.json").write_text(json.dumps({"speculative_config": config}))
+    spec = load_settings(tmp_path).engine.speculative_config
+    assert isinstance(spec, dict) and spec["model"] == str((tmp_path / "draft").resolve())
+    (tmp_path / "model.json").write_text(json.dumps({"speculative_config": {"method": "ngram"}}))
+    with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
+        load_settings(tmp_path)
