@@ -82,9 +82,9 @@ class LoraGroups:
             real = [k * length + j for k, (_, start, end) in enumerate(self.segments) for j in range(end - start)]
             dev = self.token_indices.device
             rows = self.token_indices.index_select(0, torch.tensor(places, device=dev))
+            real_places = torch.tensor(real, device=dev)
             self._padded = PaddedSegments(
-                rows=rows, real=torch.tensor(real, device=dev),
-                targets=rows.index_select(0, torch.tensor(real, device=dev)),
+                rows=rows, real=real_places, targets=rows.index_select(0, real_places),
                 slots=torch.tensor([slot for slot, _, _ in self.segments], device=dev), length=length)
         return self._padded
 
@@ -94,9 +94,9 @@ class LoraGroups:
         if self.seg_starts is not None and self.seg_slots is not None:
             return self.seg_starts, self.seg_slots
         dev = self.token_indices.device
-        starts = [start for _, start, _ in self.segments] + [self.num_rows]
+        starts, slots = segment_arrays(self.segments)
         return (torch.tensor(starts, dtype=torch.int32, device=dev),
-                torch.tensor([slot for slot, _, _ in self.segments], dtype=torch.int32, device=dev))
+                torch.tensor(slots, dtype=torch.int32, device=dev))
 
 
 def segment_arrays(segments: list[Segment]) -> tuple[list[int], list[int]]:
