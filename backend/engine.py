@@ -19,7 +19,7 @@ from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.output_processor import OutputProcessor
 from tritium.backend.outputs import RequestOutput
-from tritium.backend.sampling_params import MAX_PRIORITY, SamplingParams
+from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.spec.config import SpeculativeConfig
 from tritium.backend.spec.draft_model import DraftModel
 from tritium.backend.spec.speculator import Speculator
@@ -95,7 +95,8 @@ class LLMEngine:
             w = self.worker
             drafter = DraftModel(spec.model, self.model_path, self.model_config, w.dtype, w.device,
                                  self.max_model_len, w.num_blocks, config.block_size, w.runner.backend)
-        self.speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
+        self.speculator = Speculator(spec, self.max_model_len, drafter, self.worker.structured.draft_prefix) \
+            if spec is not None else None
         self.scheduler.speculator = self.speculator
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -226,9 +227,9 @@ class LLMEngine:
 
     def check_priority(self, priority: int) -> None:
         """Raises ValueError when a request may not have `priority`: not an integer in the bounds of
-        SamplingParams.priority, or not 0 while scheduling_policy is "fcfs" (as vLLM refuses it)."""
-        if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > MAX_PRIORITY:
-            raise ValueError(f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+        SamplingParams.priority (its own check, run here for a priority given apart from the params), or not 0
+        while scheduling_policy is "fcfs" (as vLLM refuses it)."""
+        SamplingParams(priority=priority)
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 (got {priority}): this model schedules first come first served "
                              "(scheduling_policy \"fcfs\"); set scheduling_policy \"priority\" in its "

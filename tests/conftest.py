@@ -7,6 +7,12 @@ import os
 
 # Triton kernels run through the interpreter on this CPU; the flag must be set before they are imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# xdist workers share the host's cores: each worker's OpenMP threads must fit its share, or every torch op's
+# barrier waits on a thread the other worker preempted (the engine tier ran ~3x slower at 2 threads x 2 workers).
+# Set before torch is imported; the engine and the servers the tests start honour OMP_NUM_THREADS.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _share))
 
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -12,8 +12,11 @@ priority (the lowest first, then the newest; `_make_room`), and a running sequen
 lowest-priority one instead of the newest. "fcfs" (the default) is the order of arrival.
 
 A sequence on a LoRA adapter is admitted only once its adapter has a device slot (`LoraManager.acquire`);
-until then it waits and the sequences behind it may go first. It holds the slot while it runs (preempted or
-finished: released), so a resident adapter in use is never evicted.
+until then it waits and the sequences behind it may go first. Once it has waited `priority_aging_s`, adapter
+sequences behind it may no longer pass it (not even on a resident adapter; base ones still may): the adapters
+in use drain, a slot frees and it gets it, so a busy adapter's stream of newer requests never starves it. A
+sequence holds its slot while it runs (preempted or finished: released), so a resident adapter in use is never
+evicted.
 """
 
 from __future__ import annotations
@@ -103,25 +106,21 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             draft = self._draft(seq, num_new, budget)
             num_new += len(draft)
-            while not self.blocks.allocate(seq, num_new):
-                victim = self._pop_victim(i)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if self._allocate_or_preempt(i, num_new, out):
                 out.scheduled.append(ScheduledSequence(seq, num_new, draft))
                 budget -= num_new
                 i += 1
-                continue
-            break
+            # else `seq` itself was preempted: running[i] is now the sequence after it
         if len(out.preempted) > made_room:
             return self._with_sampling(out)
         no_slot: list[Sequence] = []  # waiting for an adapter slot: they keep their place in the queue
+        starved = False  # a slot waiter waited its bound: the adapter sequences behind it wait too
+        now = self.clock()
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting.peek()
-            if not self._acquire_adapter(seq):
+            if seq.lora is not None and seq.lora_slot < 0 and (starved or not self._acquire_adapter(seq)):
                 no_slot.append(self.waiting.pop())
+                starved = starved or now - seq.arrival_time >= self.priority_aging_s
                 continue
             if seq.num_computed_tokens == 0:
                 seq.num_cached_tokens = self.blocks.match_prefix(seq)
@@ -145,6 +144,18 @@ class Scheduler:
             budget -= num_new
         self.waiting.push_front(no_slot)
         return self._with_sampling(out)
+
+    def _allocate_or_preempt(self, i: int, num_new: int, out: SchedulerOutput) -> bool:
+        """Give `running[i]` blocks for `num_new` more tokens, preempting victims (into `out.preempted`) until they
+        fit. Returns False when it was itself the victim."""
+        seq = self.running[i]
+        while not self.blocks.allocate(seq, num_new):
+            victim = self._pop_victim(i)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _pop_victim(self, i: int) -> Sequence:
         """Take the running sequence to preempt when `running[i]` needs blocks that are not free: the newest;

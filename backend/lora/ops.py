@@ -5,18 +5,22 @@ by slot, and one segment (slot, start, end) per slot in use. For every row t of 
     shrink: buffer[i] = scaling[s] * x[t] @ A[s]^T         (A: [slots, rank, in]; i: t's place in the order)
     expand: y[t]     += buffer[i] @ B[s]^T                  (B: [slots, out, rank])
 y may be a column slice of a fused projection's output (q, k or v of qkv; gate or up of gate_up): it is
-written in place, so strided views work. Rows of no adapter are never touched. The segments are host ints, so
-the reference launches no host-device synchronization.
+written in place, so strided views work. Rows of no adapter keep their values (the kernels never touch them,
+the torch form adds an exact 0 to them). The segments are host ints, so the reference launches no host-device
+synchronization.
 
-`add_lora` / `add_lora_rows` take `kernels`: None runs the torch code here (the engine on a CPU: exact, the
-reference the engine tests hold to transformers), a KernelOps module (kernels/lora.py through triton_ops: the
-engine with the triton attention backend, CUDA) runs its shrink and expand. `add_lora` is the segmented form
-(prefill and mixed steps); `add_lora_rows` takes one slot per row on the device (-1: none), which is what a
-decode step captured as a CUDA graph runs (decode_graphs.py): nothing in it depends on host values of the step.
+`add_lora` / `add_lora_fused` / `add_lora_rows` take `kernels`: None runs the torch code here (the engine on a
+CPU: exact, the reference the engine tests hold to transformers), a KernelOps module (kernels/lora.py through
+triton_ops: the engine with the triton attention backend, CUDA) runs its shrink and expand. `add_lora` is the
+segmented form (prefill and mixed steps), `add_lora_fused` the same for the modules of one fused projection
+(q/k/v, gate/up: their A side by side; the torch form shrinks them with one bmm); `add_lora_rows` takes one
+slot per row on the device (-1: none), which is what a decode step captured as a CUDA graph runs
+(decode_graphs.py): nothing in it depends on host values of the step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,18 +43,36 @@ def lora_groups(token_slots: list[int]) -> tuple[list[int], list[Segment]]:
     return [t for _, t in order], segments
 
 
+LoraSlice = tuple[torch.Tensor, int, int]  # one module of a fused projection: (B [slots, out, rank], start, end)
+
+
 @dataclass
 class PaddedSegments:
-    """A step's segments padded to the longest, for one batched matmul over all of them (the torch form):
-    `rows` [S * length] the row of x at each padded place (a padding place repeats a row of its segment),
-    `real` [adapter rows] the padded places of the real rows in `token_indices` order, `targets` those rows
-    (the segments' part of `token_indices`), `slots` [S] (int64)."""
+    """A step's segments padded to the longest, for one batched matmul over all of them (the torch form), S
+    segments of `length` places: `rows` [S * length] the row of x at each place (a padding place repeats a row
+    of its segment), `places` [T] each row of x's place (rows outside the segments: a padding place, whose
+    products `pad` zeroes; None when every row is in a segment), `slots` [S] int64, and `slot_range` (lo, hi)
+    when the slots are lo..hi-1 (the stacks are then sliced, not gathered)."""
 
     rows: torch.Tensor
-    real: torch.Tensor
-    targets: torch.Tensor
+    places: torch.Tensor
+    pad: torch.Tensor | None  # [S, length, 1] bool: True at padding places
     slots: torch.Tensor
+    slot_range: tuple[int, int] | None
     length: int
+    _scale: torch.Tensor | None = field(default=None, repr=False)
+
+    def stacked(self, weights: torch.Tensor) -> torch.Tensor:
+        """The segments' slots of a slot-stacked weight (`weights[slots]`; a view when they are a range)."""
+        if self.slot_range is not None:
+            return weights[self.slot_range[0] : self.slot_range[1]]
+        return weights.index_select(0, self.slots)
+
+    def scale(self, scaling: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each segment's scaling as [S, 1, 1] in `dtype` (made on the first call: a step's scaling is fixed)."""
+        if self._scale is None:
+            self._scale = scaling.index_select(0, self.slots).to(dtype).view(-1, 1, 1)
+        return self._scale
 
 
 @dataclass
@@ -73,19 +95,33 @@ class LoraGroups:
         """Rows of the longest segment."""
         return max((end - start for _, start, end in self.segments), default=0)
 
-    def padded(self) -> PaddedSegments:
-        """The segments laid out as [S, longest] for the batched torch form (built on the first call, then kept:
-        every module of every layer of the step reuses it)."""
-        if self._padded is None:
-            length = self.max_rows
-            places = [start + min(j, end - start - 1) for _, start, end in self.segments for j in range(length)]
-            real = [k * length + j for k, (_, start, end) in enumerate(self.segments) for j in range(end - start)]
-            dev = self.token_indices.device
-            rows = self.token_indices.index_select(0, torch.tensor(places, device=dev))
-            real_places = torch.tensor(real, device=dev)
-            self._padded = PaddedSegments(
-                rows=rows, real=real_places, targets=rows.index_select(0, real_places),
-                slots=torch.tensor([slot for slot, _, _ in self.segments], device=dev), length=length)
+    def padded(self, total_rows: int) -> PaddedSegments:
+        """The segments laid out as [S, longest] for the batched torch form, for a step of `total_rows` rows
+        (built on the first call, then kept: every module of every layer of the step reuses it). The device
+        work is index arithmetic on `token_indices`, never a read of it on the host."""
+        if self._padded is not None and self._padded.places.shape[0] == total_rows:
+            return self._padded
+        counts = [end - start for _, start, end in self.segments]
+        outside = sum(counts) < total_rows  # rows of no adapter (or of segments left out of this subset)
+        # rows outside the segments read a padding place's (zeroed) product: make sure there is one
+        length = max(counts) + (1 if outside and min(counts) == max(counts) else 0)
+        places = [start + min(j, n - 1) for (_, start, _), n in zip(self.segments, counts, strict=True)
+                  for j in range(length)]
+        real = [k * length + j for k, n in enumerate(counts) for j in range(n)]
+        dev = self.token_indices.device
+        rows = self.token_indices.index_select(0, torch.tensor(places, device=dev))
+        real_places = torch.tensor(real, device=dev)
+        spare = next((k * length + n for k, n in enumerate(counts) if n < length), 0)
+        row_places = torch.full((total_rows,), spare, dtype=torch.int64, device=dev)
+        row_places.index_copy_(0, rows.index_select(0, real_places).long(), real_places)
+        pad = None
+        if outside:
+            pad = (torch.arange(length, device=dev)[None, :] >= torch.tensor(counts, device=dev)[:, None])[..., None]
+        slots = [slot for slot, _, _ in self.segments]
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self._padded = PaddedSegments(
+            rows=rows, places=row_places, pad=pad, slots=torch.tensor(slots, device=dev),
+            slot_range=(slots[0], slots[0] + len(slots)) if contiguous else None, length=length)
         return self._padded
 
     def device_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,53 +140,67 @@ def segment_arrays(segments: list[Segment]) -> tuple[list[int], list[int]]:
     return [start for _, start, _ in segments] + [segments[-1][2] if segments else 0], [s for s, _, _ in segments]
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, groups: LoraGroups, scaling: torch.Tensor,
-                buffer: torch.Tensor) -> None:
-    """Write `scaling[s] * x[t] @ A[s]^T` into `buffer` ([groups.num_rows, rank], x's dtype) at each adapter
-    row's place in `groups.token_indices`."""
-    for slot, start, end in groups.segments:
-        rows = groups.token_indices[start:end]
-        buffer[start:end] = (x.index_select(0, rows) @ lora_a[slot].t()) * scaling[slot].to(x.dtype)
-
-
-def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, groups: LoraGroups, y: torch.Tensor) -> None:
-    """Add `buffer[i] @ B[s]^T` to `y[t]` ([T, out], in place) for each adapter row t (at place i, of slot s)."""
-    for slot, start, end in groups.segments:
-        y.index_add_(0, groups.token_indices[start:end], buffer[start:end] @ lora_b[slot].t())
-
-
 def add_lora(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scaling: torch.Tensor, kernels: KernelOps | None = None) -> None:
     """`y[t] += scaling[s] * (x[t] @ A[s]^T) @ B[s]^T` for every adapter row t of slot s (shrink then expand).
     x: [T, in]; y: [T, out] (a view is fine); lora_a: [slots, rank, in]; lora_b: [slots, out, rank];
     scaling: [slots] float32. `kernels`: run their segmented shrink / expand (None: the torch code here)."""
-    if not groups.segments:
-        return
-    if kernels is None:
-        if len(groups.segments) > 1:
-            _add_lora_batched(y, x, groups.padded(), lora_a, lora_b, scaling)
-            return
-        buffer = x.new_empty(groups.num_rows, lora_a.shape[1])
-        lora_shrink(x, lora_a, groups, scaling, buffer)
-        lora_expand(buffer, lora_b, groups, y)
-        return
-    buffer = x.new_empty(groups.num_rows, lora_a.shape[1])
-    starts, slots = groups.device_segments()
-    kernels.lora_shrink(x, lora_a, scaling, groups.token_indices, starts, slots, buffer, groups.max_rows)
-    kernels.lora_expand(buffer, lora_b, groups.token_indices, starts, slots, y, groups.max_rows)
+    add_lora_fused(y, x, groups, lora_a, [(lora_b, 0, y.shape[1])], scaling, kernels)
 
 
-def _add_lora_batched(y: torch.Tensor, x: torch.Tensor, padded: PaddedSegments, lora_a: torch.Tensor,
-                      lora_b: torch.Tensor, scaling: torch.Tensor) -> None:
-    """`add_lora`'s torch form for several segments: one bmm each for shrink and expand over the padded
-    segments instead of a matmul per segment (a decode step mixing adapters would otherwise pay a few small ops
-    per adapter in every module of every layer: on a CPU that op overhead, not the math, is the cost)."""
-    num_segments = padded.slots.shape[0]
-    xs = x.index_select(0, padded.rows).view(num_segments, padded.length, -1)
-    buffer = torch.bmm(xs, lora_a.index_select(0, padded.slots).transpose(1, 2))
-    buffer *= scaling.index_select(0, padded.slots).to(x.dtype).view(num_segments, 1, 1)
-    delta = torch.bmm(buffer, lora_b.index_select(0, padded.slots).transpose(1, 2))
-    y.index_add_(0, padded.targets, delta.view(num_segments * padded.length, -1).index_select(0, padded.real))
+def add_lora_fused(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a: torch.Tensor,
+                   slices: Sequence[LoraSlice | None], scaling: torch.Tensor, kernels: KernelOps | None = None
+                   ) -> None:
+    """`add_lora` for the modules of one fused projection, which read the same rows `x` and write column
+    slices of its output `y`: `lora_a` [slots, len(slices) * rank, in] holds module j's A at ranks
+    [j * rank, (j + 1) * rank); `slices[j]` is its (B [slots, out_j, rank], start, end), and
+    `y[t, start:end] += scaling[s] * (x[t] @ A_j[s]^T) @ B_j[s]^T` for every adapter row t of slot s (None: module
+    j is skipped). The torch form gathers the rows once and shrinks every module with one bmm; `kernels` run
+    their segmented shrink / expand per module."""
+    if not groups.segments or not any(slices):
+        return
+    rank = lora_a.shape[1] // len(slices)
+    if kernels is not None:
+        starts, slots = groups.device_segments()
+        for j, part in enumerate(slices):
+            if part is None:
+                continue
+            lora_b, start, end = part
+            buffer = x.new_empty(groups.num_rows, rank)
+            kernels.lora_shrink(x, lora_a[:, j * rank : (j + 1) * rank], scaling, groups.token_indices, starts, slots,
+                                buffer, groups.max_rows)
+            kernels.lora_expand(buffer, lora_b, groups.token_indices, starts, slots, y[:, start:end],
+                                groups.max_rows)
+        return
+    _add_lora_padded(y, x, groups.padded(x.shape[0]), lora_a, slices, rank, scaling)
+
+
+def _add_lora_padded(y: torch.Tensor, x: torch.Tensor, padded: PaddedSegments, lora_a: torch.Tensor,
+                     slices: Sequence[LoraSlice | None], rank: int, scaling: torch.Tensor) -> None:
+    """The torch form: one bmm for the shrink of every module and one per module for the expand, over the
+    padded segments (a decode step mixing adapters would otherwise pay a few small ops per adapter and module
+    in every layer: on a CPU that op overhead, not the math, is the cost). The products go back by a gather
+    of each row's place and a dense add, one for each run of adjacent column slices (an index_add into a
+    column slice of the fused output is several times slower on a CPU)."""
+    num_segments, length = padded.slots.shape[0], padded.length
+    xs = x.index_select(0, padded.rows).view(num_segments, length, -1)
+    buffer = torch.bmm(xs, padded.stacked(lora_a).transpose(1, 2))
+    buffer.mul_(padded.scale(scaling, x.dtype))
+    if padded.pad is not None:  # rows outside the segments read a padding place: exactly 0 whatever x holds
+        buffer.masked_fill_(padded.pad, 0.0)
+    runs: list[tuple[int, int, list[torch.Tensor]]] = []  # (start, end, products) of adjacent slices
+    for j, part in enumerate(slices):
+        if part is None:
+            continue
+        lora_b, start, end = part
+        delta = torch.bmm(buffer[..., j * rank : (j + 1) * rank], padded.stacked(lora_b).transpose(1, 2))
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, [*runs[-1][2], delta])
+        else:
+            runs.append((start, end, [delta]))
+    for start, end, deltas in runs:
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)
+        y[:, start:end].add_(delta.view(num_segments * length, -1).index_select(0, padded.places))
 
 
 def add_lora_rows(y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, lora_a: torch.Tensor,

@@ -8,30 +8,39 @@ from dataclasses import dataclass, field
 import torch
 
 from tritium.backend.lora.adapter import MODULES, LoraAdapter, module_shapes
-from tritium.backend.lora.ops import LoraGroups, Segment, add_lora, add_lora_rows
+from tritium.backend.lora.ops import LoraGroups, Segment, add_lora_fused, add_lora_rows
 from tritium.backend.models.config import ModelConfig
 from tritium.kernels.interface import KernelOps
 
 # The engine's fused projections and the PEFT modules whose outputs are their column slices, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_PROJ_OF = {module: proj for proj, parts in FUSED.items() for module in parts}
 
 
 class LoraStacks:
-    """Slot-stacked adapter weights on `device`: `a[layer][module]` [max_loras, max_rank, in] and
-    `b[layer][module]` [max_loras, out, max_rank] in `dtype`, `scaling` [max_loras] float32. An empty slot and
-    a module an adapter does not target hold zeros, which add nothing."""
+    """Slot-stacked adapter weights on `device`: `a[layer][module]` [max_loras, max_rank, in] (a view of
+    `a_fused[layer][proj]` [max_loras, modules * max_rank, in], the fused projection's modules in FUSED order)
+    and `b[layer][module]` [max_loras, out, max_rank] in `dtype`, `scaling` [max_loras] float32. An empty slot
+    and a module an adapter does not target hold zeros, which add nothing. `targets[slot]`: the (layer, module)s
+    its adapter has, `proj_targets[slot]` the (layer, fused projection)s."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         shapes = module_shapes(config)
-        self.a = [{m: torch.zeros(max_loras, max_rank, shapes[m][0], dtype=dtype, device=device) for m in MODULES}
-                  for _ in range(config.num_hidden_layers)]
+        # A of a fused projection's modules side by side on the rank axis, each module's A a view of it: the
+        # torch form shrinks all of them with one bmm, the kernels read the views (they take strides)
+        self.a_fused = [{proj: torch.zeros(max_loras, len(parts) * max_rank, shapes[parts[0]][0], dtype=dtype,
+                                           device=device) for proj, parts in FUSED.items()}
+                        for _ in range(config.num_hidden_layers)]
+        self.a = [{m: fused[proj][:, j * max_rank : (j + 1) * max_rank] for proj, parts in FUSED.items()
+                   for j, m in enumerate(parts)} for fused in self.a_fused]
         self.b = [{m: torch.zeros(max_loras, shapes[m][1], max_rank, dtype=dtype, device=device) for m in MODULES}
                   for _ in range(config.num_hidden_layers)]
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
-        self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras  # (layer, module)s per slot
+        self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
+        self.proj_targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self.slices = {fused: _slices(shapes, parts) for fused, parts in FUSED.items()}
 
     @property
@@ -47,6 +56,7 @@ class LoraStacks:
             self.b[layer][module][slot, :, : adapter.rank].copy_(b)
         self.scaling[slot] = adapter.scaling
         self.targets[slot] = frozenset(adapter.weights)
+        self.proj_targets[slot] = frozenset((layer, _PROJ_OF[module]) for layer, module in adapter.weights)
 
     def clear(self, slot: int) -> None:
         """Zero `slot`."""
@@ -55,6 +65,7 @@ class LoraStacks:
                 t[slot].zero_()
         self.scaling[slot] = 0.0
         self.targets[slot] = frozenset()
+        self.proj_targets[slot] = frozenset()
 
 
 def _slices(shapes: dict[str, tuple[int, int]], parts: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -81,24 +92,28 @@ class LoraBatch:
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the adapters' deltas to `y`, the output of the fused projection `proj` (qkv_proj, o_proj,
-        gate_up_proj, down_proj) of `layer` for input rows `x`, slice by slice, in place. Slots whose adapter
-        does not target a module are left out of its slice (their weights there are zeros); with kernels, a
-        module no slot of the step targets is skipped."""
+        gate_up_proj, down_proj) of `layer` for input rows `x`, slice by slice, in place. A module no slot of
+        the step targets is skipped; the torch form also leaves out the slots that target none of `proj`'s
+        modules (a slot's weights for a module it does not target are zeros, which add nothing)."""
         stacks, groups = self.stacks, self.groups
-        a, b = stacks.a[layer], stacks.b[layer]
-        for module, start, end in stacks.slices[proj]:
-            if groups is None:
-                assert self.row_slots is not None
+        if groups is None:
+            assert self.row_slots is not None
+            a, b = stacks.a[layer], stacks.b[layer]
+            for module, start, end in stacks.slices[proj]:
                 add_lora_rows(y[:, start:end], x, self.row_slots, a[module], b[module], stacks.scaling, self.kernels)
-                continue
-            segments = [seg for seg in groups.segments if (layer, module) in stacks.targets[seg[0]]]
-            if not segments:
-                continue
-            if self.kernels is not None:  # the staged device segments, all of them (zeros add nothing)
-                add_lora(y[:, start:end], x, groups, a[module], b[module], stacks.scaling, self.kernels)
-            else:
-                key = tuple(segments)  # the same few subsets recur in every layer: their padded form is kept
-                subset = self._subsets.get(key)
-                if subset is None:
-                    subset = self._subsets[key] = LoraGroups(groups.token_indices, segments)
-                add_lora(y[:, start:end], x, subset, a[module], b[module], stacks.scaling)
+            return
+        key = (layer, proj)
+        segments = [seg for seg in groups.segments if key in stacks.proj_targets[seg[0]]]
+        if not segments:
+            return
+        b, targets = stacks.b[layer], stacks.targets
+        slices = [(b[module], start, end) if any((layer, module) in targets[slot] for slot, _, _ in segments) else None
+                  for module, start, end in stacks.slices[proj]]
+        if self.kernels is not None:  # the staged device segments, all of them (zeros add nothing)
+            add_lora_fused(y, x, groups, stacks.a_fused[layer][proj], slices, stacks.scaling, self.kernels)
+            return
+        subset_key = tuple(segments)  # the same few subsets recur in every layer: their padded form is kept
+        subset = self._subsets.get(subset_key)
+        if subset is None:
+            subset = self._subsets[subset_key] = LoraGroups(groups.token_indices, segments)
+        add_lora_fused(y, x, subset, stacks.a_fused[layer][proj], slices, stacks.scaling)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,17 @@ def weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise ModelFolderError(f"model folder {folder} has no model.safetensors (nor model.safetensors.index.json)")
+
+
+def checkpoint_numel(folder: Path) -> int:
+    """How many weight elements `folder`'s safetensors hold (read from their headers, nothing loaded). Raises
+    ModelFolderError as weight_files does."""
+    total = 0
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                total += math.prod(st.get_slice(name).get_shape())
+    return total
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

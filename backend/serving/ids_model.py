@@ -81,7 +81,7 @@ class IdsSink(TritonSink):
         self.history = (self.history + ids)[-PROMPT_CONTEXT_TOKENS:]
         tensors = [self.pb.Tensor("output_ids", np.array(ids, dtype=np.int32)),
                    self.pb.Tensor("context_ids", np.array(context, dtype=np.int32))]
-        self._send(self.pb.InferenceResponse(output_tensors=tensors), out.finished)
+        self._send_tensors(tensors, out)
 
 
 class TritonPythonModel(EngineModel[IdsRequest]):

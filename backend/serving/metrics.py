@@ -22,9 +22,9 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class EngineMetrics:
-    """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption, prefix hit and
-    refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges; requests per LoRA adapter and
-    the adapters running and waiting. Labelled with the model name and version."""
+    """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption, prefix hit,
+    speculative decoding and refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges;
+    requests per LoRA adapter and the adapters running and waiting. Labelled with the model name and version."""
 
     def __init__(self, pb_utils: Any, model: str, version: str, engine: LLMEngine) -> None:
         family = pb_utils.MetricFamily
@@ -64,6 +64,8 @@ class EngineMetrics:
                                   "verified", counter)
         self.spec_accepted = metric("tritium_spec_decode_num_accepted_tokens_total", "Speculative draft tokens "
                                     "accepted", counter)
+        self.spec_steps = metric("tritium_spec_decode_num_drafts_total", "Speculative verification steps that "
+                                 "verified drafts", counter)
         self.refused = metric("tritium_num_requests_refused_total", "Requests refused because too many were "
                               "waiting (max_pending_requests)", counter)
         self.engine_healthy = metric("tritium_engine_healthy", "1 while the engine serves, 0 once its thread failed",
@@ -92,7 +94,7 @@ class EngineMetrics:
         self._seen_preemptions = 0
         self._seen_hits = 0
         self._seen_queries = 0
-        self._seen_spec = (0, 0)  # draft and accepted tokens pushed so far
+        self._seen_spec = (0, 0, 0)  # verification steps with drafts, draft and accepted tokens pushed so far
         self._ttft: list[float] = []
         self._itl: list[float] = []
         self._e2e: list[float] = []
@@ -159,9 +161,12 @@ class EngineMetrics:
             self.prefix_queries.increment(blocks.prefix_queried_tokens - self._seen_queries)
             self._seen_queries = blocks.prefix_queried_tokens
         if engine.speculator is not None:
-            spec = engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens
-            self.spec_drafts.increment(spec[0] - self._seen_spec[0])
-            self.spec_accepted.increment(spec[1] - self._seen_spec[1])
+            s = engine.speculator
+            spec = s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+            for metric, now_, seen in zip((self.spec_steps, self.spec_drafts, self.spec_accepted), spec,
+                                          self._seen_spec, strict=True):
+                if now_ > seen:
+                    metric.increment(now_ - seen)
             self._seen_spec = spec
         for values, metric in ((self._ttft, self.ttft), (self._itl, self.itl), (self._e2e, self.e2e)):
             for value in values:

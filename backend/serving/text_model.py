@@ -50,7 +50,7 @@ class TextSink(TritonSink):
         if req.return_logprobs:
             payload = [{str(k): v for k, v in entry.items()} for entry in logprobs or []]
             tensors.append(_bytes_tensor(self.pb, "logprobs", json.dumps(payload)))
-        self._send(self.pb.InferenceResponse(output_tensors=tensors), final=out.finished)
+        self._send_tensors(tensors, out)
 
 
 class TritonPythonModel(EngineModel[TextRequest]):

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import numpy as np
 import numpy.typing as npt
 
 from tritium.backend.outputs import RequestOutput
@@ -18,6 +19,24 @@ ERROR_CODES = {  # pb_utils.TritonError code names; tritonserver maps them to gR
     ErrorKind.INVALID: "INVALID_ARG", ErrorKind.OVERLOADED: "UNAVAILABLE", ErrorKind.UNAVAILABLE: "UNAVAILABLE",
     ErrorKind.INTERNAL: "INTERNAL", ErrorKind.FORBIDDEN: "UNAVAILABLE",
 }
+
+
+# A speculating request's figures on its final response, named as vLLM's spec_decode metrics
+# (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens): output tensors (UINT32, the mean FP32)
+# and, where the python backend has response parameters (25.02+), parameters of the same names (the mean as text:
+# parameters hold bool, int or str).
+SPEC_COUNTS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+SPEC_MEAN = "spec_mean_acceptance_length"
+
+
+def spec_figures(output: RequestOutput) -> dict[str, int | float] | None:
+    """The figures of `output` by output name, or None: not the final output, or the request never verified a
+    draft (speculation off, or no draft was found for it)."""
+    stats = output.spec_decoding
+    if not output.finished or stats is None or stats.num_spec_steps == 0:
+        return None
+    return {"spec_num_drafts": stats.num_spec_steps, "spec_num_draft_tokens": stats.num_draft_tokens,
+            "spec_num_accepted_tokens": stats.num_accepted_tokens, SPEC_MEAN: stats.mean_acceptance_length}
 
 
 def triton_error(pb_utils: Any, message: str, kind: ErrorKind) -> Any:
@@ -79,6 +98,21 @@ class TritonSink(ABC):
         """Send the final error, unless a final response went already."""
         if not self.final_sent:
             self._send(self.pb.InferenceResponse(error=triton_error(self.pb, message, kind)), final=True)
+
+    def _send_tensors(self, tensors: list[Any], output: RequestOutput) -> None:
+        """Send `tensors` as `output`'s response (final when it is), with its speculative figures."""
+        figures = spec_figures(output)
+        if figures is None:
+            self._send(self.pb.InferenceResponse(output_tensors=tensors), final=output.finished)
+            return
+        counts = [self.pb.Tensor(name, np.array([figures[name]], dtype=np.uint32)) for name in SPEC_COUNTS]
+        tensors = [*tensors, *counts, self.pb.Tensor(SPEC_MEAN, np.array([figures[SPEC_MEAN]], dtype=np.float32))]
+        parameters = {name: figures[name] for name in SPEC_COUNTS} | {SPEC_MEAN: f"{figures[SPEC_MEAN]:.6g}"}
+        try:
+            response = self.pb.InferenceResponse(output_tensors=tensors, parameters=parameters)
+        except TypeError:  # a python backend before 25.02 has no response parameters: the tensors alone
+            response = self.pb.InferenceResponse(output_tensors=tensors)
+        self._send(response, final=output.finished)
 
     def _send(self, response: Any, final: bool) -> None:
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0

@@ -2,9 +2,11 @@
 
 The rule (`AdaptiveDraftLength`): k starts at `num_speculative_tokens`. Over each window of `WINDOW`
 verification steps (steps that drafted at least one token), the acceptance rate is accepted / drafted. Below
-`TURN_DOWN_BELOW` k halves (1 -> 0: speculation off for this request); at or above `TURN_UP_FROM` k grows by
-one, up to the configured k. While off, the request decodes plainly and speculation is retried with k = 1 after
-`RETRY_AFTER` decode steps. Every change starts a new window.
+`TURN_OFF_BELOW` speculation goes off for this request at once (drafts that almost never land only cost);
+below `TURN_DOWN_BELOW` k halves (1 -> 0: off); at or above `TURN_UP_FROM` k grows by one, up to the
+configured k. While off, the request decodes plainly and speculation is retried with k = 1 after `RETRY_AFTER`
+decode steps, twice as many after each retry that turned off again (reset once a window pays). Every change
+starts a new window.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 WINDOW = 8
+TURN_OFF_BELOW = 0.1
 TURN_DOWN_BELOW = 0.3
 TURN_UP_FROM = 0.7
 RETRY_AFTER = 32
@@ -56,6 +59,8 @@ class AdaptiveDraftLength:
     accepted: int = 0
     steps: int = 0
     off_steps: int = 0
+    retry_after: int = RETRY_AFTER  # plain decode steps before the next retry while off
+    retrying: bool = False  # k is 1 because a retry turned speculation back on
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -65,8 +70,9 @@ class AdaptiveDraftLength:
         """The draft length for this decode step (0: decode plainly). Counts the steps spent off."""
         if self.k == 0:
             self.off_steps += 1
-            if self.off_steps > RETRY_AFTER:
+            if self.off_steps > self.retry_after:
                 self._set(1)
+                self.retrying = True
         return self.k
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -78,11 +84,15 @@ class AdaptiveDraftLength:
             return
         rate = self.accepted / self.drafted if self.drafted else 0.0
         if rate < TURN_DOWN_BELOW:
-            self._set(self.k // 2)
-        elif rate >= TURN_UP_FROM and self.k < self.max_k:
-            self._set(self.k + 1)
-        else:
-            self._set(self.k)
+            k = 0 if rate < TURN_OFF_BELOW else self.k // 2
+            if k == 0 and self.retrying:  # a retry that did not pay: wait longer for the next one
+                self.retry_after *= 2
+            self._set(k)
+            return
+        self.retrying = False
+        if rate >= TURN_UP_FROM:
+            self.retry_after = RETRY_AFTER
+        self._set(min(self.k + 1, self.max_k) if rate >= TURN_UP_FROM else self.k)
 
     def _set(self, k: int) -> None:
         self.k, self.drafted, self.accepted, self.steps, self.off_steps = k, 0, 0, 0, 0

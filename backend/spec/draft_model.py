@@ -16,7 +16,7 @@ import torch
 
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.models.config import ModelConfig
-from tritium.backend.models.loader import load_model
+from tritium.backend.models.loader import checkpoint_numel, load_model
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
 
@@ -25,6 +25,15 @@ def tokenizer_digest(folder: Path) -> str | None:
     """A hash of the folder's tokenizer.json (None when it has none)."""
     path = folder / "tokenizer.json"
     return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest() if path.is_file() else None
+
+
+def draft_footprint(folder: str, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes per block) the draft model in `folder` will take in `dtype`: what the target's
+    memory plan must leave for it (its cache has as many blocks as the target's)."""
+    path = resolve_model(folder)
+    config = ModelConfig.from_folder(path)
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return checkpoint_numel(path) * dtype.itemsize, per_token * block_size * dtype.itemsize
 
 
 class DraftModel:

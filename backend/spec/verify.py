@@ -13,6 +13,11 @@ q is one-hot on d. Rejection sampling accepts d with probability min(1, p(d) / q
 draws from norm(max(p - q, 0)) = p without d. Drawing t ~ p and accepting d when t == d has the same
 probability p(d), and on a mismatch t is p conditioned on t != d: the same distribution. Greedy rows are the
 argmax at each position, so greedy output is token-identical to decoding one token at a time.
+
+Structured output: a constrained sequence's drafts are those its grammar takes (`Speculator.propose`), and row
+j is sampled under its grammar's mask after the first j drafts, the mask it would have decoding one token at
+a time, so the same argument holds under the grammar; the matcher then advances over the kept run, and a run
+that completes the grammar ends at that token (`Verified.end_run`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ class Verified:
     sampled: SamplerOutput
     accepted: list[list[int]] = field(default_factory=list)
     accepted_logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
+
+    def end_run(self, row: int, n: int) -> None:
+        """Keep only the first `n` tokens (1 <= n <= its length) of `row`'s run, its n-th becoming its last
+        (a grammar that completed there takes nothing after it)."""
+        token = self.sampled.token_ids[row]
+        assert token is not None and 1 <= n <= len(self.accepted[row]) + 1
+        run = [*self.accepted[row], token]
+        logprobs = [*self.accepted_logprobs[row], self.sampled.logprobs[row]]
+        self.sampled.token_ids[row], self.sampled.logprobs[row] = run[n - 1], logprobs[n - 1]
+        self.accepted[row], self.accepted_logprobs[row] = run[: n - 1], logprobs[: n - 1]
 
 
 def accept_runs(drafts: list[list[int]], rows: SamplerOutput) -> Verified:

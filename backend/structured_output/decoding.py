@@ -5,6 +5,11 @@ spreads the batch over its own threads) while the engine runs the forward pass; 
 logits' device; the sampler applies them (`TokenMasks.apply`: the Triton kernel on CUDA, torch elsewhere)
 after penalties and bans, before sampling; `accept` advances each matcher with its sampled token and says
 which requests' grammars are complete (they stop: EOS is the only token left) or broken.
+
+Speculative decoding: `draft_prefix` says how many of a request's drafts its grammar takes (the matcher is
+advanced over them and rolled back, so its state is as before); a speculating constrained sequence gets one
+mask per verified position (position j: its grammar after the first j drafts), and `accept` advances it with
+the whole run verification kept (accepted drafts, then the sampled token).
 """
 
 from __future__ import annotations
@@ -58,12 +63,18 @@ class Verdict:
 
     error: str | None = None  # the token broke it (the request ends with this error)
     complete: bool = False  # nothing but EOS may follow: the request stops
+    # A speculating row's run completed the grammar before its last token: only its first `cut` tokens stand.
+    cut: int | None = None
 
 
 @dataclass
 class PendingMasks:
     rows: list[int]
     job: Future[None]
+
+
+# A constrained sequence's masks: its matcher, its first row in the host buffer, its drafts (one more row each).
+MaskJob = tuple["llguidance.LLMatcher", int, list[int]]
 
 
 class StructuredDecoding:
@@ -86,14 +97,49 @@ class StructuredDecoding:
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
-    def start(self, seqs: list[Sequence]) -> PendingMasks | None:
-        """Start computing the masks of the constrained ones among `seqs` (the rows that sample this step)."""
+    def draft_prefix(self, request_id: str, drafts: list[int]) -> int:
+        """How many leading `drafts` the request's grammar takes, stopping before the first it refuses and
+        before one that would complete it (nothing but EOS could follow: the run would end there anyway, and a
+        position after it has no grammar state to sample under); all of them for an unconstrained request.
+        The matcher is advanced over the drafts and rolled back: its state is exactly as before."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return len(drafts)
+        consumed = 0
+        complete = False
+        for token in drafts:
+            if matcher.try_consume_tokens([token]) != 1:  # refused: the matcher stays as it was (no error)
+                break
+            consumed += 1
+            if complete := matcher.is_stopped():
+                break
+        if consumed:
+            matcher.rollback(consumed)
+        return consumed - 1 if complete else consumed
+
+    def start(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> PendingMasks | None:
+        """Start computing the masks of the constrained ones among `seqs` (the sequences that sample this
+        step). `drafts` (per sequence, when some speculate): a sequence samples at 1 + len(drafts) rows
+        (`verify.position_views` order); a constrained one gets a mask per row, row j its grammar's after its
+        first j drafts (which `draft_prefix` allowed)."""
         if not self.matchers:
             return None
-        rows = [i for i, s in enumerate(seqs) if s.request_id in self.matchers]
+        rows: list[int] = []
+        plain: list[tuple[llguidance.LLMatcher, int]] = []
+        drafted: list[MaskJob] = []
+        row = 0
+        for i, seq in enumerate(seqs):
+            draft = drafts[i] if drafts is not None else []
+            matcher = self.matchers.get(seq.request_id)
+            if matcher is not None:
+                if draft:
+                    drafted.append((matcher, len(rows), list(draft)))
+                else:
+                    plain.append((matcher, len(rows)))
+                rows.extend(range(row, row + 1 + len(draft)))
+            row += 1 + len(draft)
         if not rows:
             return None
-        pairs = [(self.matchers[seqs[row].request_id], i) for i, row in enumerate(rows)]
         if self._host is None:  # llguidance's vocabulary decides the width (its tokenizer exists by now)
             words = (self.compiler.vocab_size + 31) // 32
             self._host = torch.zeros(self.max_rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -103,10 +149,20 @@ class StructuredDecoding:
             import llguidance
 
             self._executor = llguidance.LLExecutor()
-        # llguidance.torch has this call too, but importing it runs torch.compile (and imports inductor).
-        job = self._worker.submit(self._executor.unsafe_compute_mask_ptr, pairs, host.data_ptr(),
-                                  host.shape[1] * host.element_size(), len(rows))
+        job = self._worker.submit(self._fill, self._executor, plain, drafted, host)
         return PendingMasks(rows, job)
+
+    @staticmethod
+    def _fill(executor: llguidance.LLExecutor, plain: list[tuple[llguidance.LLMatcher, int]],
+              drafted: list[MaskJob], host: torch.Tensor) -> None:
+        """Write the masks into `host` (on the mask thread): one row per plain matcher, 1 + len(drafts) rows
+        per speculating one (llguidance advances it over its drafts and rolls it back)."""
+        # llguidance.torch has these calls too, but importing it runs torch.compile (and imports inductor).
+        width, size = host.shape[1] * host.element_size(), host.shape[0]
+        if plain:
+            executor.unsafe_compute_mask_ptr(plain, host.data_ptr(), width, size)
+        if drafted:
+            executor.unsafe_compute_mask_ptr_with_draft_token(drafted, host.data_ptr(), width, size)
 
     def wait(self, pending: PendingMasks | None) -> TokenMasks | None:
         """The masks `start` computed, on the device (the host buffer is rewritten only after this step's
@@ -123,9 +179,11 @@ class StructuredDecoding:
         index = torch.tensor(pending.rows, dtype=torch.long).to(self.device, non_blocking=True)
         return TokenMasks(pending.rows, bitmask, index)
 
-    def accept(self, seqs: list[Sequence], tokens: list[int | None]) -> dict[int, Verdict]:
-        """Advance the constrained rows' matchers with their sampled tokens; a verdict per constrained row
-        that sampled."""
+    def accept(self, seqs: list[Sequence], tokens: list[int | None],
+               runs: list[list[int]] | None = None) -> dict[int, Verdict]:
+        """Advance the constrained rows' matchers with their sampled tokens, after the drafts verification kept
+        (`runs`, aligned with `seqs`; None: none speculated); a verdict per constrained row that sampled. A run
+        that completes the grammar before its last token stops there (`Verdict.cut`)."""
         verdicts: dict[int, Verdict] = {}
         if not self.matchers:
             return verdicts
@@ -133,11 +191,22 @@ class StructuredDecoding:
             matcher = self.matchers.get(seq.request_id)
             if matcher is None:
                 continue
-            if matcher.is_error() or (token is not None and not matcher.consume_token(token)):
+            if matcher.is_error():
                 verdicts[row] = Verdict(error=f"the structured_output grammar cannot go on: {_reason(matcher)}")
             elif token is not None:
-                verdicts[row] = Verdict(complete=matcher.is_stopped())
+                verdicts[row] = _advance(matcher, [*(runs[row] if runs is not None else []), token])
         return verdicts
+
+
+def _advance(matcher: llguidance.LLMatcher, run: list[int]) -> Verdict:
+    """Consume `run` (a row's tokens this step) one token at a time: an error when one breaks the grammar;
+    complete when it can take nothing more, cut after the token that completed it when that is not the last."""
+    for i, token in enumerate(run):
+        if not matcher.consume_token(token):
+            return Verdict(error=f"the structured_output grammar cannot go on: {_reason(matcher)}")
+        if matcher.is_stopped():
+            return Verdict(complete=True, cut=i + 1 if i + 1 < len(run) else None)
+    return Verdict()
 
 
 def _reason(matcher: llguidance.LLMatcher) -> str:

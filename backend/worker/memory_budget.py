@@ -130,7 +130,7 @@ class MemoryPlan:
     weights: int
     activations: int  # one eager forward pass of max_num_batched_tokens tokens
     graph_pool: int  # the decode graphs' pool (0 without graphs)
-    sampler: int  # top-k / top-p temporaries of max_num_seqs rows
+    sampler: int  # top-k / top-p temporaries of the rows a step samples (max_num_seqs, x (1 + k) speculating)
     overhead: int  # what torch does not count: CUDA context, kernels, the default stream's cuBLAS workspace
     kv_cache: int  # the budget left for the KV cache
 
@@ -147,14 +147,14 @@ class MemoryPlan:
 
 def plan_memory(
     config: ModelConfig, total_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
-    max_num_batched_tokens: int, max_num_seqs: int, largest_graph_bucket: int, dtype_bytes: int,
+    max_num_batched_tokens: int, num_logit_rows: int, largest_graph_bucket: int, dtype_bytes: int,
     overhead_bytes: int = CUDA_OVERHEAD_BYTES,
 ) -> MemoryPlan:
     """The KV budget of an engine on a device of `total_bytes` (`largest_graph_bucket` 0: no decode graphs),
     every term estimated. Raises ValueError (kv_cache_budget's) when the terms alone exceed the share."""
-    activations = estimate_activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+    activations = estimate_activation_bytes(config, max_num_batched_tokens, num_logit_rows, dtype_bytes)
     graph_pool = estimate_graph_pool_bytes(config, largest_graph_bucket, dtype_bytes)
-    sampler = estimate_sampler_bytes(max_num_seqs, config.vocab_size)
+    sampler = estimate_sampler_bytes(num_logit_rows, config.vocab_size)
     kv = kv_cache_budget(total_bytes, gpu_memory_utilization, weight_bytes, activations + graph_pool + sampler,
                          overhead_bytes)
     return MemoryPlan(total_bytes, int(gpu_memory_utilization * total_bytes), weight_bytes, activations,

@@ -26,7 +26,8 @@ from tritium.backend.sample.sampler import Sampler, SamplerOutput
 from tritium.backend.sample.settings import RowSettings, row_settings_slots, stage_row_settings
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.spec.config import SpeculativeConfig
-from tritium.backend.spec.verify import accept_runs, position_views
+from tritium.backend.spec.draft_model import draft_footprint
+from tritium.backend.spec.verify import Verified, accept_runs, position_views
 from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.decoding import StructuredDecoding
 from tritium.backend.testing.faults import FaultInjector
@@ -90,20 +91,24 @@ class Worker:
         # The resident adapters' slots (LoraManager writes them); allocated before the KV cache is sized.
         self.lora_stacks = LoraStacks(model.config, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
             if config.enable_lora else None
-        sizing = num_kv_blocks(config, model, self.device, self.dtype, self.max_model_len, max(buckets, default=0))
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        draft_weights, draft_block = draft_footprint(spec.model, self.dtype, config.block_size) \
+            if spec is not None and spec.model is not None else (0, 0)  # the engine loads the draft model later
+        adapters = self.lora_stacks.nbytes if self.lora_stacks is not None else 0
+        # A speculating sequence samples at each verified position: a logit row and row settings for each.
+        rows = seqs * (1 + spec.num_speculative_tokens) if spec is not None else seqs
+        sizing = num_kv_blocks(config, model, self.device, self.dtype, self.max_model_len, max(buckets, default=0),
+                               adapters + draft_weights, draft_block, rows)
         self.num_blocks = sizing.num_blocks
         self.memory_plan = sizing.plan  # on CUDA without kv_cache_bytes: what the share is spent on (gpu-check)
         slots = step_input_slots(seqs, config.max_num_batched_tokens, self.max_model_len, config.block_size,
                                  lora=config.enable_lora)
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        # A speculating sequence samples at each verified position: a logit row and row settings for each.
-        rows = seqs * (1 + spec.num_speculative_tokens) if spec is not None else seqs
         self.staging = StagingBuffer(slots + (rows - seqs) + row_settings_slots(rows), self.device)
         self.graphs = DecodeGraphs(buckets, self.device)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device, seqs,
                                   self.max_model_len, self.staging, self.graphs, self.lora_stacks)
         self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=self.device)
-        self.structured = StructuredDecoding(grammars, self.device, seqs)
+        self.structured = StructuredDecoding(grammars, self.device, rows)  # a mask per verified position too
         self.faults = FaultInjector.from_env()  # test-only: `check` per step here, `check_loop` in the serving loop
         self.warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
 
@@ -130,7 +135,7 @@ class Worker:
             self.runner.release(seq.request_id)
         speculating = any(batch.drafts)
         rows = position_views(batch.sampling, batch.drafts) if speculating else batch.sampling
-        pending_masks = self.structured.start(rows)
+        pending_masks = self.structured.start(batch.sampling, batch.drafts if speculating else None)
         try:
             logits, settings = self._forward(batch, rows)
         except Exception:
@@ -144,7 +149,7 @@ class Worker:
         if not speculating:
             return self._accept(batch.sampling, sampled)
         verified = accept_runs(batch.drafts, sampled)
-        result = self._accept(batch.sampling, verified.sampled)
+        result = self._accept(batch.sampling, verified.sampled, verified)
         result.accepted, result.accepted_logprobs = verified.accepted, verified.accepted_logprobs
         return result
 
@@ -160,12 +165,16 @@ class Worker:
         logits = self.runner.execute(step)
         return logits, staged.tensors(self.staging) if staged is not None else None
 
-    def _accept(self, seqs: list[Sequence], sampled: SamplerOutput) -> StepResult:
-        """Advance the constrained rows' grammars with their tokens: a token that breaks its grammar becomes
-        that row's error; a grammar that is complete says so."""
+    def _accept(self, seqs: list[Sequence], sampled: SamplerOutput, verified: Verified | None = None) -> StepResult:
+        """Advance the constrained rows' grammars with their tokens (`verified`: a speculating step's runs,
+        accepted drafts first): a token that breaks its grammar becomes that row's error; a grammar that is
+        complete says so, and a run that completed it early ends at that token."""
         complete = [False] * len(seqs)
-        for row, verdict in self.structured.accept(seqs, sampled.token_ids).items():
+        runs = verified.accepted if verified is not None else None
+        for row, verdict in self.structured.accept(seqs, sampled.token_ids, runs).items():
             if verdict.error is not None:
                 sampled.token_ids[row], sampled.errors[row] = None, verdict.error
+            elif verdict.cut is not None and verified is not None:
+                verified.end_run(row, verdict.cut)
             complete[row] = verdict.complete
         return StepResult(sampled.token_ids, sampled.logprobs, sampled.errors, complete)

@@ -4,7 +4,10 @@ The same open-loop load runs twice on an engine of its own: Poisson arrivals at 
 `high_fraction` of them marked high priority (0, the others 1). Under scheduling_policy "priority" the high
 requests should get their first token much sooner than the rest (the goal: TTFT p50 at least 3x lower) while
 the total throughput stays within 5% of the same load under "fcfs" (where every request is sent with
-priority 0, the high ones only counted apart). Writes `priority.json` and `priority.png`.
+priority 0, the high ones only counted apart). With `repeats` > 1 the policies alternate in ABBA order (fcfs,
+priority, priority, fcfs, ...: a later run in one process is not systematically the slower or faster one) and
+each policy's figures pool its runs: TTFTs together, throughput = all its tokens / all its run time. Writes
+`priority.json` and `priority.png`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ class PolicyRun:
     def throughput(self) -> float:
         """Output tokens per second, first arrival to last finish."""
         return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    def pooled(self, other: PolicyRun) -> PolicyRun:
+        """This run and `other` (the same policy) as one: TTFTs together, tokens, time and preemptions summed."""
+        high, rest = self.ttfts_high_s + other.ttfts_high_s, self.ttfts_rest_s + other.ttfts_rest_s
+        return PolicyRun(self.policy, distribution((v * 1000 for v in high), MS),
+                         distribution((v * 1000 for v in rest), MS), self.output_tokens + other.output_tokens,
+                         self.duration_s + other.duration_s, self.preemptions + other.preemptions, high, rest)
 
 
 def make_load(num_requests: int, input_len: int, request_rate: float, high_fraction: float,
@@ -124,16 +134,26 @@ def _empty_device_cache() -> None:
 def run_priority_benchmark(num_requests: int = 400, input_len: int = 256, output_len: int = 128,
                            request_rate: float = 32.0, high_fraction: float = 0.1, max_num_seqs: int = 32,
                            model: str | None = None, kv_cache_bytes: int | None = None,
-                           out_dir: str | Path | None = "bench_results") -> dict[str, Any]:
-    """Run the load under "fcfs" then "priority"; print each policy's TTFT p50 (high vs rest) and throughput,
-    the TTFT ratio (rest / high, under priority; goal >= 3) and the throughput ratio (priority / fcfs; goal
-    >= 0.95), and (with `out_dir`) write priority.json and priority.png. Returns the report."""
+                           out_dir: str | Path | None = "bench_results", repeats: int = 1) -> dict[str, Any]:
+    """Run the load under "fcfs" and "priority" (`repeats` times each, ABBA order, pooled); print each policy's
+    TTFT p50 (high vs rest) and throughput, the TTFT ratio (rest / high, under priority; goal >= 3) and the
+    throughput ratio (priority / fcfs; goal >= 0.95), and (with `out_dir`) write priority.json and priority.png.
+    Returns the report."""
     load = make_load(num_requests, input_len, request_rate, high_fraction)
     engine_kwargs: dict[str, Any] = {"model": model, "max_num_seqs": max_num_seqs,
                                      "max_num_batched_tokens": max(1024, max_num_seqs)}
     if kv_cache_bytes is not None:
         engine_kwargs["kv_cache_bytes"] = kv_cache_bytes
-    runs = {policy: run_policy(policy, load, output_len, engine_kwargs) for policy in ("fcfs", "priority")}
+    runs: dict[str, PolicyRun] = {}
+    order: list[str] = []
+    for i in range(repeats):
+        order += ["fcfs", "priority"] if i % 2 == 0 else ["priority", "fcfs"]
+    single: list[PolicyRun] = []
+    for policy in order:
+        run = run_policy(policy, load, output_len, engine_kwargs)
+        single.append(run)
+        runs[policy] = runs[policy].pooled(run) if policy in runs else run
+    runs = {policy: runs[policy] for policy in ("fcfs", "priority")}
     prio, fcfs = runs["priority"], runs["fcfs"]
     ttft_ratio = prio.ttft_rest.get("p50", 0.0) / max(prio.ttft_high.get("p50", 0.0), 1e-9)
     throughput_ratio = prio.throughput / fcfs.throughput if fcfs.throughput > 0 else 0.0
@@ -149,9 +169,12 @@ def run_priority_benchmark(num_requests: int = 400, input_len: int = 256, output
     report = {
         "settings": {"num_requests": num_requests, "high_requests": n_high, "input_len": input_len,
                      "output_len": output_len, "request_rate": request_rate, "high_fraction": high_fraction,
-                     "max_num_seqs": max_num_seqs, "model": model},
+                     "max_num_seqs": max_num_seqs, "model": model, "repeats": repeats, "order": order},
         "runs": {p: {k: v for k, v in asdict(r).items() if not k.startswith("ttfts_")} | {"throughput": r.throughput}
                  for p, r in runs.items()},
+        "single_runs": [{"policy": r.policy, "throughput": r.throughput, "duration_s": r.duration_s,
+                         "preemptions": r.preemptions, "ttft_p50_high_ms": r.ttft_high.get("p50", 0.0),
+                         "ttft_p50_rest_ms": r.ttft_rest.get("p50", 0.0)} for r in single],
         "ttft_p50_ratio_rest_over_high": ttft_ratio, "throughput_ratio_priority_over_fcfs": throughput_ratio,
         "goals_met": ttft_ratio >= 3 and throughput_ratio >= 0.95, "machine": machine_info(),
     }

@@ -70,11 +70,17 @@ def run_lora(args: argparse.Namespace) -> int:
 
 
 def _spec(bench: Any) -> None:
-    p = bench.add_parser("spec", help="one stream with and without n-gram speculative decoding: ITL, acceptance")
+    p = bench.add_parser("spec", help="one stream with and without speculative decoding (n-gram, a draft model): ITL, "
+                       "acceptance")
     options.num_requests(p, 4, help="requests per workload, one at a time")
     options.output_len(p, 128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each workload and engine, alternating; the best")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k: draft tokens per step at most")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft-model", default=None, metavar="FOLDER",
+                       help="also speculate with this draft model (same tokenizer as the target)")
+    draft.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                       help="also speculate with a draft made of the target's first N layers (written to --out-dir)")
     options.smoke(p, help="one request of 8 tokens, one repeat: checks the script")
     options.out_dir(p)
     p.set_defaults(func=run_spec)
@@ -85,7 +91,8 @@ def run_spec(args: argparse.Namespace) -> int:
     from tritium.client.bench.spec import run_spec_benchmark
 
     run_spec_benchmark(out_dir=args.out_dir, num_requests=args.num_requests, output_len=args.output_len,
-                       repeats=args.repeats, num_speculative_tokens=args.num_speculative_tokens, smoke=args.smoke)
+                       repeats=args.repeats, num_speculative_tokens=args.num_speculative_tokens, smoke=args.smoke,
+                       draft_model=args.draft_model, draft_layers=args.draft_layers)
     return 0
 
 
@@ -250,6 +257,8 @@ def _priority(bench: Any) -> None:
     p.add_argument("--request-rate", type=float, default=32.0, help="Poisson arrivals per second (0: all at once)")
     p.add_argument("--high-fraction", type=float, default=0.1, help="share of high-priority requests")
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each policy, alternating in ABBA order; each policy's runs pooled")
     options.smoke(p, help="a few short requests: checks the script")
     options.out_dir(p)
     p.set_defaults(func=run_priority)
@@ -265,7 +274,8 @@ def run_priority(args: argparse.Namespace) -> int:
         return 0
     run_priority_benchmark(num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
                            request_rate=args.request_rate, high_fraction=args.high_fraction,
-                           max_num_seqs=args.max_num_seqs, model=args.model, out_dir=args.out_dir)
+                           max_num_seqs=args.max_num_seqs, model=args.model, out_dir=args.out_dir,
+                           repeats=args.repeats)
     return 0
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tritium.client.triton.launcher import ServerOptions, TritonServer
 
 ADMIN_KEY_ENV = options.ADMIN_KEY_ENV
-LORA_MODEL = "tritium"  # the model `--lora` / `--enable-lora` turn LoRA on for
+LORA_MODELS = ("tritium", "tritium_ids")  # the engines `--lora` / `--enable-lora` turn LoRA on for (and the ensemble)
 HEALTH_POLL_S = 1.0  # how often `serve` reads tritium_engine_healthy from the metrics port
 # The request `serve` prints for a newcomer to copy: a question the default (instruct) model answers in a
 # sentence, through its chat template (a bare question makes it end at once). tests/server/test_server.py sends it.
@@ -59,11 +59,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--num-threads", type=int, default=None,
                    help="the engines' intra-op threads on a CPU (model.json's num_threads; default: sized to the host)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help=f"serve the PEFT LoRA adapter in folder PATH as NAME on the {LORA_MODEL} model (repeat; "
-                   "sets model.json's enable_lora and lora_modules in a copy of the repository)")
+                   help="serve the PEFT LoRA adapter in folder PATH as NAME on the tritium and tritium_ids models "
+                   "(repeat; sets model.json's enable_lora and lora_modules in a copy of the repository)")
     p.add_argument("--enable-lora", action="store_true",
-                   help=f"turn LoRA on for the {LORA_MODEL} model without adapters at start (load them at run time "
-                   "with --admin-key)")
+                   help="turn LoRA on for the tritium and tritium_ids models without adapters at start (load them "
+                   "at run time with --admin-key)")
     options.unsafe_no_auth(p)
     p.set_defaults(func=run)
 
@@ -117,6 +117,15 @@ def unload_failed_engines(server: TritonServer) -> None:
                       "x-admin-key) or restart the server", file=sys.stderr, flush=True)
 
 
+def engine_settings(repository: Path, overrides: dict[str, object],
+                    lora: dict[str, object]) -> dict[str, dict[str, object]]:
+    """The model.json settings to change per engine model of `repository` (those whose model.json has
+    max_num_seqs; the codec models are left alone): `overrides` for each, `lora` for LORA_MODELS too."""
+    engines = [m.parent.parent.name for m in repository.glob("*/1/model.json")
+               if "max_num_seqs" in json.loads(m.read_text(encoding="utf-8"))]
+    return {name: overrides | (lora if name in LORA_MODELS else {}) for name in engines}
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM; returns 0 then, 1 when tritonserver fails to start or exits, 2 when the
     bind policy refuses the address."""
@@ -146,11 +155,9 @@ def run(args: argparse.Namespace) -> int:
         from tritium.client.triton.repository import copy_with_settings
 
         copy = Path(tempfile.mkdtemp(prefix="tritium-repository-")) / "repository"
-        engines = [m.parent.parent.name for m in repository.glob("*/1/model.json")  # engine models, not codecs
-                   if "max_num_seqs" in json.loads(m.read_text(encoding="utf-8"))]
-        per_model = {name: overrides | (lora if name == LORA_MODEL else {}) for name in engines}
+        per_model = engine_settings(repository, overrides, lora)
         repository = copy_with_settings(copy, per_model, source=repository)
-        for name in sorted(engines):
+        for name in sorted(per_model):
             if per_model[name]:
                 print(f"serving a copy of the repository with {per_model[name]} for {name}", flush=True)
     server_options = ServerOptions(

@@ -13,6 +13,8 @@ router reads the same `EngineLoad` to pick a replica, so every layer sees one tr
   `tritium_lora_requests_info` (value: when it changed, unix time); over several engines the largest
   `max_lora` and every engine's adapters (`max_lora="0"` and no adapters without LoRA or without metrics)
 - `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` <- tritium's prefix-cache token counters
+- `vllm:spec_decode_num_drafts_total` / `_num_draft_tokens_total` / `_num_accepted_tokens_total` <- tritium's
+  `tritium_spec_decode_*` counters of the same names (0 without speculative decoding)
 
 Values are summed over the model's versions (each version is its own engine). The engine pushes them at most
 every 0.5 s, so they trail the engine by that much.
@@ -82,6 +84,9 @@ class EngineLoad:
     block_size: int = 0
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     engines: int = 0
     healthy: bool = False
     lora: LoraInfo = field(default_factory=lambda: LoraInfo())
@@ -112,6 +117,9 @@ class EngineLoad:
             block_size=self.block_size or other.block_size,
             prefix_hit_tokens=self.prefix_hit_tokens + other.prefix_hit_tokens,
             prefix_queried_tokens=self.prefix_queried_tokens + other.prefix_queried_tokens,
+            spec_drafts=self.spec_drafts + other.spec_drafts,
+            spec_draft_tokens=self.spec_draft_tokens + other.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens + other.spec_accepted_tokens,
             engines=self.engines + other.engines, healthy=self.healthy or other.healthy,
             lora=self.lora.add(other.lora))
 
@@ -141,6 +149,9 @@ _FIELDS = MappingProxyType({
     "tritium_kv_cache_block_size": "block_size",
     "tritium_prefix_cache_hit_tokens_total": "prefix_hit_tokens",
     "tritium_prefix_cache_queried_tokens_total": "prefix_queried_tokens",
+    "tritium_spec_decode_num_drafts_total": "spec_drafts",
+    "tritium_spec_decode_num_draft_tokens_total": "spec_draft_tokens",
+    "tritium_spec_decode_num_accepted_tokens_total": "spec_accepted_tokens",
 })
 
 
@@ -267,5 +278,14 @@ def vllm_metrics(load: EngineLoad, model_name: str) -> str:
         "# HELP vllm:prefix_cache_hits_total Prompt tokens found in the prefix cache.",
         "# TYPE vllm:prefix_cache_hits_total counter",
         f"vllm:prefix_cache_hits_total{{{label}}} {load.prefix_hit_tokens}",
+        "# HELP vllm:spec_decode_num_drafts_total Speculative verification steps that verified drafts.",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        f"vllm:spec_decode_num_drafts_total{{{label}}} {load.spec_drafts}",
+        "# HELP vllm:spec_decode_num_draft_tokens_total Speculative draft tokens verified.",
+        "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
+        f"vllm:spec_decode_num_draft_tokens_total{{{label}}} {load.spec_draft_tokens}",
+        "# HELP vllm:spec_decode_num_accepted_tokens_total Speculative draft tokens accepted.",
+        "# TYPE vllm:spec_decode_num_accepted_tokens_total counter",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{label}}} {load.spec_accepted_tokens}",
     ]
     return "\n".join(lines) + "\n"

@@ -30,7 +30,7 @@ from itertools import count
 from typing import Any
 
 from tritium.client.cluster.replica_load import EngineLoad, scrape_async
-from tritium.client.cluster.upstream import Chunk, UpstreamError
+from tritium.client.cluster.upstream import SPEC_FIGURES, Chunk, UpstreamError
 from tritium.client.triton.remote import grpc_inputs
 
 logger = logging.getLogger(__name__)
@@ -254,6 +254,9 @@ class Router:
                 lp = result.as_numpy("logprobs")
                 if lp is not None:
                     chunk.logprobs = json.loads(lp.reshape(-1)[0].decode())
+                figures = {name: result.as_numpy(f"spec_{name}") for name in SPEC_FIGURES}
+                if all(v is not None for v in figures.values()):
+                    chunk.spec_decoding = {k: int(v.reshape(-1)[0]) for k, v in figures.items() if v is not None}
                 yield chunk
                 if final:
                     return

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A speculating request's figures (vLLM's spec_decode names); the engine's output tensors carry them as spec_<name>.
+SPEC_FIGURES = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
 
 @dataclass
 class Chunk:
@@ -18,6 +21,8 @@ class Chunk:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     logprobs: list[dict[str, float]] = field(default_factory=list)
+    # On the final chunk of a request that verified drafts: num_drafts, num_draft_tokens, num_accepted_tokens
+    spec_decoding: dict[str, int] | None = None
 
 
 class UpstreamError(Exception):

@@ -9,6 +9,8 @@ Structured output: OpenAI's `response_format`, vLLM's `guided_*` extras and its 
 object all become the engine's `structured_output` (`SamplingFields.structured_output`); one constraint per
 request. `json_schema.strict` and `guided_decoding_backend` are accepted and ignored: the engine always
 enforces the schema, with llguidance.
+
+Responses: `speculative_usage` is the `usage.speculative_decoding` extension object.
 """
 
 from __future__ import annotations
@@ -356,6 +358,19 @@ class ChatRequest(SamplingFields):
             raise RequestError(f"tool_choice and {constraints[0][0]}: a required or named tool choice constrains "
                                "the output itself, leave out the other constraint", "tool_choice")
         return "required" if choice == "required" else "named"
+
+
+def speculative_usage(figures: list[dict[str, int]]) -> dict[str, int | float] | None:
+    """`usage.speculative_decoding`, tritium's extension: the request's choices' speculative figures summed
+    (vLLM's names: `num_drafts` verification steps, `num_draft_tokens`, `num_accepted_tokens`) and
+    `mean_acceptance_length` = 1 + accepted / drafts (tokens per verification step); None when no choice
+    verified a draft."""
+    drafts = sum(f["num_drafts"] for f in figures)
+    if not drafts:
+        return None
+    accepted = sum(f["num_accepted_tokens"] for f in figures)
+    return {"num_drafts": drafts, "num_draft_tokens": sum(f["num_draft_tokens"] for f in figures),
+            "num_accepted_tokens": accepted, "mean_acceptance_length": 1.0 + accepted / drafts}
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,

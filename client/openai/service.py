@@ -20,7 +20,7 @@ from tritium.client.cluster.upstream import Chunk, UpstreamError
 from tritium.client.openai.errors import client_gone, model_not_found, upstream_response
 from tritium.client.openai.guard import Admission, new_request_id, unless_disconnected
 from tritium.client.openai.lora import AdapterCatalog, AdminClient
-from tritium.client.openai.protocol import MAX_SEED
+from tritium.client.openai.protocol import MAX_SEED, speculative_usage
 
 DECODE_CACHE_SIZE = 1 << 17  # token ids whose text is kept for logprobs
 
@@ -36,6 +36,7 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[dict[str, float]] = field(default_factory=list)
+    spec_decoding: dict[str, int] | None = None  # the final chunk's speculative figures, when it verified drafts
 
     def add(self, chunk: Chunk) -> None:
         """Append the chunk's text and logprobs, and take its facts if it is the last."""
@@ -49,14 +50,19 @@ class ChoiceResult:
             self.finish_reason = chunk.finish_reason
             self.prompt_tokens = chunk.num_input_tokens or 0
             self.completion_tokens = chunk.num_output_tokens or 0
+            self.spec_decoding = chunk.spec_decoding
 
 
-def usage(choices: dict[int, ChoiceResult], n: int) -> dict[str, int]:
+def usage(choices: dict[int, ChoiceResult], n: int) -> dict[str, Any]:
     """OpenAI's `usage` of a request with `n` samples per prompt: each prompt's tokens counted once (choice
-    index p * n), every choice's completion tokens."""
+    index p * n), every choice's completion tokens; plus `speculative_decoding` (`speculative_usage`) when a
+    choice verified drafts."""
     prompt_tokens = sum(c.prompt_tokens for i, c in choices.items() if i % n == 0)
     completion = sum(c.completion_tokens for c in choices.values())
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    counts: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                              "total_tokens": prompt_tokens + completion}
+    spec = speculative_usage([c.spec_decoding for c in choices.values() if c.spec_decoding is not None])
+    return counts if spec is None else counts | {"speculative_decoding": spec}
 
 
 class OpenAIService:

@@ -12,25 +12,39 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["rows_ptr", "seg_starts_ptr", "seg_slots_ptr"])
-def lora_shrink_kernel(
-    x_ptr, a_ptr, scaling_ptr, rows_ptr, seg_starts_ptr, seg_slots_ptr, buf_ptr,
-    K, RANK, stride_xm, stride_as, stride_ar, stride_bm,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    seg = tl.program_id(0)
-    pid_m = tl.program_id(1)
+@triton.jit
+def _segment_places(rows_ptr, seg_starts_ptr, seg_slots_ptr, seg, pid_m, BLOCK_M: tl.constexpr):
+    """Program (seg, pid_m)'s BLOCK_M places in the sorted rows: the places, which lie in segment `seg`, their
+    rows, the segment's slot, and whether the program has any place in it."""
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     idx = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = idx < end
     rows = tl.load(rows_ptr + idx, mask=row_ok, other=0).to(tl.int64)
+    return idx, row_ok, rows, slot, start + pid_m * BLOCK_M < end
+
+
+@triton.jit
+def _row_slot(slots_ptr, row):
+    """Whether `row` has an adapter, and its slot (0 when it has none: every access is then masked)."""
+    slot = tl.load(slots_ptr + row)
+    return slot >= 0, tl.maximum(slot, 0).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["rows_ptr", "seg_starts_ptr", "seg_slots_ptr"])
+def lora_shrink_kernel(
+    x_ptr, a_ptr, scaling_ptr, rows_ptr, seg_starts_ptr, seg_slots_ptr, buf_ptr,
+    K, RANK, stride_xm, stride_as, stride_ar, stride_bm,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    idx, row_ok, rows, slot, inside = _segment_places(rows_ptr, seg_starts_ptr, seg_slots_ptr, tl.program_id(0),
+                                                      tl.program_id(1), BLOCK_M)
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < RANK
     ks = tl.arange(0, BLOCK_K)
     # a program past its segment's end runs no K iteration (the grid covers the longest segment)
-    k_end = tl.where(start + pid_m * BLOCK_M < end, K, 0)
+    k_end = tl.where(inside, K, 0)
     x_base = x_ptr + rows[:, None] * stride_xm
     a_base = a_ptr + slot * stride_as + rs[None, :] * stride_ar  # A[s] read as [BLOCK_K, BLOCK_R]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -50,15 +64,9 @@ def lora_expand_kernel(
     N, RANK, stride_bm, stride_bs, stride_bn, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    idx, row_ok, rows, slot, _ = _segment_places(rows_ptr, seg_starts_ptr, seg_slots_ptr, tl.program_id(0),
+                                                 tl.program_id(1), BLOCK_M)
     pid_n = tl.program_id(2)
-    start = tl.load(seg_starts_ptr + seg)
-    end = tl.load(seg_starts_ptr + seg + 1)
-    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    idx = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = idx < end
-    rows = tl.load(rows_ptr + idx, mask=row_ok, other=0).to(tl.int64)
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < RANK
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,9 +89,7 @@ def lora_shrink_rows_kernel(
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + row)
-    active = slot >= 0
-    slot = tl.maximum(slot, 0).to(tl.int64)
+    active, slot = _row_slot(slots_ptr, row)
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < RANK
     ks = tl.arange(0, BLOCK_K)
@@ -107,9 +113,7 @@ def lora_expand_rows_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    slot = tl.load(slots_ptr + row)
-    active = slot >= 0
-    slot = tl.maximum(slot, 0).to(tl.int64)
+    active, slot = _row_slot(slots_ptr, row)
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < RANK
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

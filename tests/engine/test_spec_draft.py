@@ -9,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
+import torch
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.outputs import RequestOutput
+from tritium.backend.spec.draft_model import draft_footprint
+from tritium.backend.worker.memory_budget import module_bytes
+from tritium.client.bench.spec import truncated_copy
 
 PROMPTS = ["Once upon a time,", "The capital of France is", "Write a list of three fruits:"]
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -22,17 +25,7 @@ ENGINE = {"kv_cache_bytes": 32 << 20, "max_model_len": 256}
 @pytest.fixture(scope="module")
 def shallow_model(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
     """The default model's first 8 of 30 layers (same tokenizer and head): a weaker drafter."""
-    dest = tmp_path_factory.mktemp("shallow")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(default_model_path / name, dest / name)
-    config = json.loads((default_model_path / "config.json").read_text())
-    config["num_hidden_layers"] = 8
-    (dest / "config.json").write_text(json.dumps(config))
-    tensors = load_file(str(default_model_path / "model.safetensors"))
-    keep = {k: v for k, v in tensors.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < 8}
-    save_file(keep, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
+    return truncated_copy(default_model_path, tmp_path_factory.mktemp("shallow"), 8)
 
 
 def stats(outs: list[RequestOutput]) -> tuple[int, int]:
@@ -62,6 +55,13 @@ def test_a_shallow_draft_is_rejected_and_rolled_back_exactly(make_llm: Callable[
     assert [(o.token_ids, o.text) for o in b] == [(o.token_ids, o.text) for o in a]
     drafted, accepted = stats(b)
     assert 0 < accepted < drafted
+    drafter = spec.engine.speculator.drafter if spec.engine.speculator is not None else None
+    assert drafter is not None  # what the memory plan leaves for it covers what it took
+    per_block = sum(k.nbytes + v.nbytes for k, v in drafter.kv_caches) // spec.engine.worker.num_blocks
+    weights, block = draft_footprint(str(shallow_model), torch.float32, 16)
+    # On a CPU the tied logits projection is packed as a copy (module_bytes counts it); CUDA shares it.
+    tied_copy = drafter.model.embed_tokens.weight.nbytes
+    assert block == per_block and 0 <= module_bytes(drafter.model) - tied_copy - weights < 1 << 20  # + rotary tables
     seeded = SamplingParams(temperature=0.8, max_tokens=16, seed=5, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(PROMPTS, seeded)] == \
         [o.token_ids for o in spec.generate(PROMPTS, seeded)]

@@ -1,11 +1,18 @@
-"""The LoRA shrink / expand reference: rows grouped by slot, fused-projection slices, base rows untouched."""
+"""The LoRA shrink / expand reference: rows grouped by slot, fused-projection slices, base rows untouched; the
+fused form (one shrink for q/k/v or gate/up) against the per-module one, and LoraBatch over the slot stacks."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from tritium.backend.lora.ops import LoraGroups, add_lora, lora_groups
+from tritium.backend.lora.adapter import MODULES, LoraAdapter, module_shapes
+from tritium.backend.lora.ops import LoraGroups, add_lora, add_lora_fused, lora_groups
+from tritium.backend.lora.weights import FUSED, LoraBatch, LoraStacks
+
+from support.lora import SMALL_CONFIG
 
 
 def groups(token_slots: list[int]) -> LoraGroups:
@@ -69,3 +76,105 @@ def test_add_lora_with_a_subset_of_the_segments_touches_only_their_rows() -> Non
     add_lora(y, x, subset, a, b, torch.ones(3))
     torch.testing.assert_close(y, expected)
     assert torch.equal(y[[1, 5]], expected[[1, 5]])
+
+
+def fused_weights(g: torch.Generator, slots: int, rank: int, d_in: int, outs: list[int],
+                  targets: dict[int, set[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A [slots, len(outs) * rank, in] and each module's B, zero for a (slot, module) not in `targets`."""
+    a = torch.randn(slots, len(outs) * rank, d_in, generator=g)
+    bs = [torch.randn(slots, out, rank, generator=g) for out in outs]
+    for slot in range(slots):
+        for j in range(len(outs)):
+            if j not in targets.get(slot, set()):
+                a[slot, j * rank : (j + 1) * rank] = 0
+                bs[j][slot] = 0
+    return a, bs
+
+
+# q/k/v-like slices; slot 1 targets only q and v, slot 3 only k; slot 2 is unused in the second case (the stacks
+# are then gathered, not sliced); rank 8 and 16; base rows in the first, none in the third
+@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("token_slots", [[0, -1, 1, 3, 1, 2, -1, 0, 3, 1, 2], [3, 1, -1, 0, 3, 3, -1, 1],
+                                         [1, 1, 0, 3, 2, 0]])
+def test_fused_form_matches_the_per_module_form(rank: int, token_slots: list[int]) -> None:
+    g = torch.Generator().manual_seed(rank)
+    outs, d_in, rows = [12, 4, 4], 10, len(token_slots)
+    targets = {0: {0, 1, 2}, 1: {0, 2}, 2: {0, 1, 2}, 3: {1}}
+    a, bs = fused_weights(g, 4, rank, d_in, outs, targets)
+    scaling = torch.tensor([0.5, 2.0, 1.0, 1.5])
+    x = torch.randn(rows, d_in, generator=g)
+    y = torch.randn(rows, sum(outs), generator=g)
+    expected, looped = y.clone(), y.clone()
+    starts = [0, 12, 16, 20]
+    for j in range(3):
+        add_lora(expected[:, starts[j] : starts[j + 1]], x, groups(token_slots), a[:, j * rank : (j + 1) * rank],
+                 bs[j], scaling)
+        for t, s in enumerate(token_slots):
+            if s >= 0:
+                looped[t, starts[j] : starts[j + 1]] += scaling[s] * (x[t] @ a[s, j * rank : (j + 1) * rank].t()) \
+                    @ bs[j][s].t()
+    add_lora_fused(y, x, groups(token_slots), a, [(bs[j], starts[j], starts[j + 1]) for j in range(3)], scaling)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(y, looped)
+    base = [t for t, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(y[base], looped[base])  # base rows keep their values exactly
+
+
+def test_fused_form_skips_a_module_and_leaves_its_columns() -> None:
+    g = torch.Generator().manual_seed(3)
+    a, bs = fused_weights(g, 2, 4, 6, [5, 3], {0: {0, 1}, 1: {0, 1}})
+    x, y = torch.randn(5, 6, generator=g), torch.randn(5, 8, generator=g)
+    before = y.clone()
+    add_lora_fused(y, x, groups([1, -1, 0, 0, 1]), a, [None, (bs[1], 5, 8)], torch.ones(2))
+    assert torch.equal(y[:, :5], before[:, :5])
+    torch.testing.assert_close(y[0, 5:], before[0, 5:] + (x[0] @ a[1, 4:].t()) @ bs[1][1].t())
+
+
+def test_a_broken_adapter_row_cannot_reach_base_rows() -> None:
+    """Base rows read a padding place of the padded product: it is zeroed, NaN or not, so they stay exact."""
+    g = torch.Generator().manual_seed(4)
+    a, bs = fused_weights(g, 2, 4, 6, [5], {0: {0}, 1: {0}})
+    x, y = torch.randn(6, 6, generator=g), torch.randn(6, 5, generator=g)
+    x[5] = float("nan")  # the last row of slot 0's segment: its padding place repeats it
+    before = y.clone()
+    add_lora_fused(y, x, groups([0, -1, 1, 1, -1, 0]), a, [(bs[0], 0, 5)], torch.ones(2))
+    assert torch.equal(y[[1, 4]], before[[1, 4]])
+    assert torch.isnan(y[5]).all() and not torch.isnan(y[[0, 2, 3]]).any()
+
+
+def random_adapter(name: str, rank: int, targets: tuple[str, ...], scaling: float, seed: int) -> LoraAdapter:
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(SMALL_CONFIG)
+    weights = {(layer, m): (torch.randn(rank, shapes[m][0], generator=g), torch.randn(shapes[m][1], rank, generator=g))
+               for layer in range(SMALL_CONFIG.num_hidden_layers) for m in targets}
+    return LoraAdapter(name, Path(name), rank, scaling, weights)
+
+
+def test_lora_batch_over_the_stacks_matches_each_adapter_per_row() -> None:
+    """Adapters of ranks 8 and 16 targeting some of q/k/v and gate/up (one only o_proj) plus base rows, every
+    fused projection of every layer, against each row's own adapter applied module by module."""
+    stacks = LoraStacks(SMALL_CONFIG, 4, 16, torch.float32, torch.device("cpu"))
+    adapters = [random_adapter("qv", 8, ("q_proj", "v_proj", "up_proj"), 2.0, 0),
+                random_adapter("all", 16, MODULES, 0.5, 1),
+                random_adapter("o", 8, ("o_proj",), 1.0, 2)]
+    for slot, adapter in zip((0, 1, 3), adapters, strict=True):
+        stacks.write(slot, adapter)
+    assert stacks.a[0]["k_proj"].data_ptr() == stacks.a_fused[0]["qkv_proj"][:, 16:].data_ptr()  # a view
+    token_slots = [1, -1, 0, 3, 0, 1, -1, 3, 1]
+    of_slot = {0: adapters[0], 1: adapters[1], 3: adapters[2]}
+    shapes, g = module_shapes(SMALL_CONFIG), torch.Generator().manual_seed(5)
+    for layer in range(SMALL_CONFIG.num_hidden_layers):
+        batch = LoraBatch(groups(token_slots), stacks)
+        for proj, modules in FUSED.items():
+            x = torch.randn(len(token_slots), shapes[modules[0]][0], generator=g)
+            y = torch.randn(len(token_slots), sum(shapes[m][1] for m in modules), generator=g)
+            expected = y.clone()
+            for module, start, end in stacks.slices[proj]:
+                for t, s in enumerate(token_slots):
+                    adapter = of_slot.get(s)
+                    if adapter is not None and (layer, module) in adapter.weights:
+                        wa, wb = adapter.weights[(layer, module)]
+                        expected[t, start:end] += adapter.scaling * (x[t] @ wa.t()) @ wb.t()
+            batch.apply(layer, proj, x, y)
+            torch.testing.assert_close(y, expected)
+            assert torch.equal(y[[1, 6]], expected[[1, 6]])

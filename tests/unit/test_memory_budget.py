@@ -141,3 +141,25 @@ def test_a_plan_whose_terms_exceed_the_share_is_refused() -> None:
     # 0.1 of 8 GiB is 819 MiB: the sampler alone (1,024 rows x 150k vocabulary x 64 B = 9.2 GiB) does not fit.
     with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.1 of 8.00 GiB"):
         plan_memory(_small_config(), 8 * GiB, 0.1, 0, 512, 1024, 0, 2)
+
+
+def test_on_cuda_adapters_and_a_draft_model_come_out_of_the_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tritium.backend.models.llama import LlamaForCausalLM
+    from tritium.backend.worker.kv_sizing import num_kv_blocks
+
+    config, model = _small_config(), LlamaForCausalLM(_small_config())
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # K and V x 2 layers x 2 KV heads x head_dim 16 x fp32 x 16 tokens
+    # No CUDA here: the device's (free, total) is the one thing num_kv_blocks asks of it.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (8 * GiB, 8 * GiB))
+    engine = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256)
+    cuda = torch.device("cuda")
+
+    def blocks(**kwargs: int) -> int:
+        return num_kv_blocks(engine, model, cuda, torch.float32, 128, **kwargs).num_blocks
+
+    plain = num_kv_blocks(engine, model, cuda, torch.float32, 128)
+    assert plain.plan is not None and plain.num_blocks == plain.plan.kv_cache // per_block
+    assert blocks(resident_bytes=100 * per_block) == plain.num_blocks - 100  # adapter slots / draft weights
+    assert blocks(planned_block_bytes=per_block) == plain.num_blocks // 2  # a draft cache as large as the target's
+    spec_rows = num_kv_blocks(engine, model, cuda, torch.float32, 128, logit_rows=8 * 5).plan
+    assert spec_rows is not None and spec_rows.sampler == estimate_sampler_bytes(40, config.vocab_size)

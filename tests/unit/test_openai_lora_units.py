@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tritium.backend.tokenizer import Tokenizer
-from tritium.client.cli.serve import lora_settings
+from tritium.client.cli.serve import engine_settings, lora_settings
 from tritium.client.cluster.replica_load import EngineLoad, LoraInfo, engine_load, vllm_metrics
 from tritium.client.cluster.upstream import UpstreamError
 from tritium.client.openai.app import create_app
@@ -25,7 +25,7 @@ from tritium.client.openai.lora import (
     failure_response,
     parse_list,
 )
-from tritium.client.triton.launcher import free_ports
+from tritium.client.triton.launcher import PACKAGE_REPOSITORY, free_ports
 
 ADMIN = "admin-secret"
 KEY = "api-secret"
@@ -119,6 +119,9 @@ def test_serve_lora_options_become_model_json_settings(tmp_path: Path) -> None:
                        ([f"sql={tmp_path / 'sql'}"] * 2, "given twice")):
         with pytest.raises(ValueError, match=words):
             lora_settings(bad, False)
+    lora = lora_settings([], True)
+    per_model = engine_settings(PACKAGE_REPOSITORY, {"dtype": "bfloat16"}, lora)
+    assert per_model == {"tritium": {"dtype": "bfloat16", **lora}, "tritium_ids": {"dtype": "bfloat16", **lora}}
 
 
 @pytest.fixture(scope="module")

@@ -250,3 +250,44 @@ def test_a_request_waiting_for_an_adapter_slot_keeps_its_place_and_preempts_noth
     sched.finish(on_a, "stop")
     out = step(sched)  # the slot is free: on-b (first in the queue) takes the seat and the slot
     assert "on-b" in ids(s.seq for s in out.scheduled) and on_b.lora_slot == 0
+
+
+def test_a_slot_waiter_past_its_bound_is_passed_by_no_adapter_request(tmp_path: Path) -> None:
+    stacks = LoraStacks(SMALL_CONFIG, 1, 16, torch.float32, torch.device("cpu"))
+    loras = LoraManager(stacks, SMALL_CONFIG, torch.float32)
+    for i, name in enumerate("ab"):
+        loras.load(name, write_adapter(tmp_path / name, SMALL_CONFIG, 8, ("q_proj",), seed=i))
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=5, max_num_batched_tokens=64, lora=loras, clock=clock,
+                      priority_aging_s=5.0)
+    on_a, on_b, on_a1, on_a2, base = req("on-a"), req("on-b"), req("on-a1"), req("on-a2"), req("base")
+    on_a.lora, on_b.lora, on_a1.lora, on_a2.lora = loras.get("a"), loras.get("b"), loras.get("a"), loras.get("a")
+    sched.add(on_a)
+    step(sched)
+    sched.add(on_b)
+    sched.add(on_a1)
+    assert "on-a1" in ids(s.seq for s in step(sched).scheduled) and ids(sched.waiting) == ["on-b"]  # within bound
+    clock.now = 5.0
+    for seq in (on_a2, base):
+        sched.add(seq)
+    out = step(sched)  # "a" is resident and pinned, yet on-a2 now queues behind on-b; the base request passes
+    assert ids(s.seq for s in out.scheduled) == ["on-a", "on-a1", "base"]
+    assert ids(sched.waiting) == ["on-b", "on-a2"] and on_a2.lora_slot == -1
+    sched.finish(on_a, "stop")
+    sched.finish(on_a1, "stop")
+    out = step(sched)
+    assert "on-b" in ids(s.seq for s in out.scheduled) and ids(sched.waiting) == ["on-a2"]
+    sched.finish(on_b, "stop")
+    assert "on-a2" in ids(s.seq for s in step(sched).scheduled)
+
+
+def test_a_running_sequence_that_preempts_itself_leaves_the_step_to_those_after_it() -> None:
+    sched = Scheduler(BlockManager(2, 4), max_num_seqs=2, max_num_batched_tokens=64, scheduling_policy="priority")
+    low, high = req("low", priority=5), req("high", priority=0)
+    sched.add(low)
+    step(sched)
+    sched.add(high)
+    step(sched)  # each holds one block (low's full), none is free
+    assert ids(sched.running) == ["low", "high"] and sched.blocks.num_free_blocks == 0
+    out = step(sched)  # low, first in line, needs a block: it is the lowest priority, so it is the victim
+    assert ids(out.preempted) == ["low"] and ids(s.seq for s in out.scheduled) == ["high"]

@@ -56,13 +56,13 @@ def test_prompt_lookup_takes_the_longest_latest_match() -> None:
 def test_draft_length_turns_down_to_off_retries_and_turns_up() -> None:
     rule = AdaptiveDraftLength(4)
     for _ in range(WINDOW):
-        rule.record(4, 0)
+        rule.record(4, 1)  # 25%: low, not hopeless
     assert rule.current() == 2
-    for _ in range(WINDOW):
-        rule.record(2, 0)
+    for i in range(WINDOW):
+        rule.record(2, i % 2)
     assert rule.current() == 1
-    for _ in range(WINDOW):
-        rule.record(1, 0)
+    for i in range(WINDOW):
+        rule.record(1, i % 4 == 0)
     assert [rule.current() for _ in range(RETRY_AFTER)] == [0] * RETRY_AFTER  # off
     assert rule.current() == 1  # retried
     for _ in range(WINDOW):
@@ -71,6 +71,19 @@ def test_draft_length_turns_down_to_off_retries_and_turns_up() -> None:
     for _ in range(WINDOW):
         rule.record(2, 1)  # 50%: neither low nor high
     assert rule.current() == 2
+
+
+def test_drafts_that_never_land_turn_speculation_off_at_once_and_retries_back_off() -> None:
+    rule = AdaptiveDraftLength(4)
+    for _ in range(WINDOW):
+        rule.record(4, 0 if _ else 1)  # 1 of 32 accepted: below TURN_OFF_BELOW
+    assert [rule.current() for _ in range(RETRY_AFTER)] == [0] * RETRY_AFTER and rule.current() == 1
+    for _ in range(WINDOW):
+        rule.record(1, 0)  # the retry does not pay: off, twice as long
+    assert [rule.current() for _ in range(2 * RETRY_AFTER)] == [0] * (2 * RETRY_AFTER) and rule.current() == 1
+    for _ in range(WINDOW):
+        rule.record(1, 1)  # paying: back up, and the next turn-off waits RETRY_AFTER again
+    assert rule.current() == 2 and rule.retry_after == RETRY_AFTER
 
 
 def speculating(tokens: list[int], rid: str = "r", max_tokens: int = 100) -> Sequence:
