@@ -227,11 +227,17 @@ def test_aged_request_is_not_passed_or_preempted_by_newcomers() -> None:
     assert not step(sched).preempted and ids(sched.running) == ["patient"]
 
 
-def test_a_request_waiting_for_an_adapter_slot_keeps_its_place_and_preempts_nothing(tmp_path: Path) -> None:
+def one_slot_two_adapters(tmp_path: Path) -> LoraManager:
+    """A LoraManager with one device slot and adapters "a" and "b" loaded."""
     stacks = LoraStacks(SMALL_CONFIG, 1, 16, torch.float32, torch.device("cpu"))
     loras = LoraManager(stacks, SMALL_CONFIG, torch.float32)
     for i, name in enumerate("ab"):
         loras.load(name, write_adapter(tmp_path / name, SMALL_CONFIG, 8, ("q_proj",), seed=i))
+    return loras
+
+
+def test_a_request_waiting_for_an_adapter_slot_keeps_its_place_and_preempts_nothing(tmp_path: Path) -> None:
+    loras = one_slot_two_adapters(tmp_path)
     clock = Clock()
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64, lora=loras,
                       scheduling_policy="priority", clock=clock)
@@ -253,10 +259,7 @@ def test_a_request_waiting_for_an_adapter_slot_keeps_its_place_and_preempts_noth
 
 
 def test_a_slot_waiter_past_its_bound_is_passed_by_no_adapter_request(tmp_path: Path) -> None:
-    stacks = LoraStacks(SMALL_CONFIG, 1, 16, torch.float32, torch.device("cpu"))
-    loras = LoraManager(stacks, SMALL_CONFIG, torch.float32)
-    for i, name in enumerate("ab"):
-        loras.load(name, write_adapter(tmp_path / name, SMALL_CONFIG, 8, ("q_proj",), seed=i))
+    loras = one_slot_two_adapters(tmp_path)
     clock = Clock()
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=5, max_num_batched_tokens=64, lora=loras, clock=clock,
                       priority_aging_s=5.0)
