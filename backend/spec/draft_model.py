@@ -19,6 +19,7 @@ from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.loader import checkpoint_numel, load_model
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.worker.kv_sizing import kv_bytes_per_block
 
 
 def tokenizer_digest(folder: Path) -> str | None:
@@ -31,9 +32,7 @@ def draft_footprint(folder: str, dtype: torch.dtype, block_size: int) -> tuple[i
     """(weight bytes, KV bytes per block) the draft model in `folder` will take in `dtype`: what the target's
     memory plan must leave for it (its cache has as many blocks as the target's)."""
     path = resolve_model(folder)
-    config = ModelConfig.from_folder(path)
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return checkpoint_numel(path) * dtype.itemsize, per_token * block_size * dtype.itemsize
+    return checkpoint_numel(path) * dtype.itemsize, kv_bytes_per_block(ModelConfig.from_folder(path), block_size, dtype)
 
 
 class DraftModel:
