@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tritium.backend.core.waiting_queue import SCHEDULING_POLICIES
-from tritium.backend.models.quantization import check_quantization
+from tritium.backend.models.quantization import check_quantization, check_quantization_device
 from tritium.backend.spec.config import SpeculativeConfig
 
 DTYPES = {
@@ -61,7 +61,8 @@ class EngineConfig:
     # (worker/threads.py). Not used on CUDA.
     num_threads: int | None = None
     # Weight-only quantization of every linear layer and the logits head at load: "int8" (per output channel,
-    # symmetric; models/quantization.py) or None (the weights stay in `dtype`).
+    # symmetric; models/quantization.py), "int4" (CPU only: groups of 32, asymmetric; models/int4.py) or None (the
+    # weights stay in `dtype`).
     quantization: str | None = None
     # LoRA adapters (backend/lora/): off unless enable_lora. max_loras adapters are resident on the device at
     # once (slots; the others wait in host memory, least recently used evicted first), each of rank at most
@@ -106,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be an integer >= 1 (or null: sized to the host), "
                              f"got {self.num_threads!r}")
         check_quantization(self.quantization)
+        if isinstance(self.device, str) and self.device.startswith("cuda"):  # "auto" is checked once resolved (loader)
+            check_quantization_device(self.quantization, torch.device("cuda"))
         SpeculativeConfig.parse(self.speculative_config)
         self._check_lora()
         self._check_scheduling()

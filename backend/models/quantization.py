@@ -1,4 +1,5 @@
-"""Weight-only int8 quantization (`EngineConfig.quantization = "int8"`).
+"""Weight-only int8 quantization (`EngineConfig.quantization = "int8"`), and the entry point of both schemes
+(`quantize_model`; int4, CPU only, is in int4.py).
 
 Every linear layer (the fused QKV, output, fused gate/up and down projections) and the logits projection are
 quantized at load, from the checkpoint's weights: symmetric, one fp32 scale per output channel (row),
@@ -20,6 +21,7 @@ How an `Int8Linear` multiplies (`Int8Linear.path`, chosen once per host and laye
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,10 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritium.backend.models.int4 import GROUP_SIZE, Int4Linear
+
 if TYPE_CHECKING:
     from tritium.backend.models.llama import LlamaForCausalLM
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
+CPU_ONLY = ("int4",)
 PATHS = ("cpu_bf16", "cpu_fp32", "dequant", "triton")
 _PACKED_K_MULTIPLE = 32  # _weight_int8pack_mm on CPU computes wrong results (or crashes) for other K
 # With fp32 activations the packed op beats dequantize-then-matmul only for a few rows (client/bench/int8_matmul.py:
@@ -43,6 +48,13 @@ def check_quantization(value: object) -> None:
     if value is not None and value not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} (or null: none), got {value!r}; "
                          "other schemes are not implemented")
+
+
+def check_quantization_device(value: str | None, device: torch.device) -> None:
+    """Raise ValueError naming the scheme and the device when `value` cannot run on `device` (int4 off a CPU)."""
+    if value in CPU_ONLY and device.type != "cpu":
+        raise ValueError(f"quantization {value!r} is implemented for CPUs only (the device is {device.type}); "
+                         "'int8' is the weight-only scheme on CUDA")
 
 
 @functools.cache
@@ -135,26 +147,54 @@ class Int8Linear(nn.Module):
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def quantize_model(model: LlamaForCausalLM, scheme: str, path: str | None = None, head_path: str | None = None) -> None:
-    """Quantize `model` (a loaded LlamaForCausalLM) in place: every layer projection and the logits head.
-    `path`/`head_path` force the layers'/head's multiply (measurements); None picks it (`choose_path`).
+@dataclass(frozen=True)
+class QuantizationOptions:
+    """quantize_model's measurement knobs (the engine uses the defaults): int4's group size (None: 32), the logits
+    head's scheme (None: HEAD_SCHEMES[scheme]) and forced multiplies (`path` for the layers, `head_path`; None:
+    chosen per host and shape)."""
 
-    Raises ValueError naming the scheme unless it is implemented, or the part of the model it cannot
-    quantize (a projection that is not a plain nn.Linear, e.g. already packed)."""
+    group_size: int | None = None
+    head: str | None = None
+    path: str | None = None
+    head_path: str | None = None
+
+
+# The logits head of "int4" stays int8: an int4 head (49152 x 576, tied to the embedding) alone raised the default
+# model's perplexity by 9% against +0.3% for int4 layers with an int8 head (README, "Quantization").
+HEAD_SCHEMES = {"int8": "int8", "int4": "int8"}
+
+
+def _linear(scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, path: str | None,
+            group_size: int | None, out_dtype: torch.dtype | None = None) -> nn.Module:
+    if scheme == "int4":
+        return Int4Linear(weight, bias, out_dtype, path, group_size or GROUP_SIZE)
+    return Int8Linear(weight, bias, out_dtype, path)
+
+
+def quantize_model(model: LlamaForCausalLM, scheme: str, options: QuantizationOptions | None = None) -> None:
+    """Quantize `model` (a loaded LlamaForCausalLM) in place: every layer projection in `scheme`, the logits head in
+    HEAD_SCHEMES[scheme] (`options`: measurement knobs, None the defaults).
+
+    Raises ValueError naming the scheme unless it is implemented here (int4 off a CPU), or the part of the model
+    it cannot quantize (a projection that is not a plain nn.Linear, e.g. already packed)."""
     check_quantization(scheme)
     if scheme is None:
         return
+    check_quantization_device(scheme, model.embed_tokens.weight.device)
+    opts = options or QuantizationOptions()
+    head_scheme = opts.head or HEAD_SCHEMES[scheme]
+    check_quantization(head_scheme)
     for i, layer in enumerate(model.layers):
         for name in LAYER_PROJECTIONS:
             linear = getattr(layer, name)
             if not isinstance(linear, nn.Linear):
                 raise ValueError(f"quantization {scheme!r}: layers.{i}.{name} is a {type(linear).__name__}, "
                                  "not an nn.Linear; only unpacked linear layers can be quantized")
-            setattr(layer, name, Int8Linear(linear.weight, linear.bias, path=path))
+            setattr(layer, name, _linear(scheme, linear.weight, linear.bias, opts.path, opts.group_size))
     lm_head = model.lm_head
     weight = model.embed_tokens.weight if lm_head is None else lm_head.weight
     # the logits head: fp32 logits, like LlamaForCausalLM.compute_logits; the embedding lookup stays unquantized
-    model.packed_lm_head = Int8Linear(weight, None, out_dtype=torch.float32, path=head_path)
+    model.packed_lm_head = _linear(head_scheme, weight, None, opts.head_path, opts.group_size, torch.float32)
     if lm_head is not None:
         model.lm_head = None  # its fp weight is no longer used: freed
     model.quantization = scheme  # read by the runner's kernel warm-up (kernels/warmup.py)

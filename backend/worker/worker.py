@@ -89,8 +89,8 @@ class Worker:
             log("decode CUDA graphs are off: %s; decode steps run eagerly", why)
         buckets = graph_buckets(seqs) if use_graphs else []
         # The resident adapters' slots (LoraManager writes them); allocated before the KV cache is sized.
-        self.lora_stacks = LoraStacks(model.config, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
-            if config.enable_lora else None
+        self.lora_stacks = LoraStacks(model.config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
+                                      b_rank_major=backend_name != "triton") if config.enable_lora else None
         spec = SpeculativeConfig.parse(config.speculative_config)
         draft_weights, draft_block = draft_footprint(spec.model, self.dtype, config.block_size) \
             if spec is not None and spec.model is not None else (0, 0)  # the engine loads the draft model later

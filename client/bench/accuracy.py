@@ -6,8 +6,11 @@
 - Perplexity: exp(mean next-token negative log-likelihood) of TEXT, teacher-forced in one prefill of the model
   as loaded (`perplexity`), so it measures exactly the weights and kernels the engine runs.
 
-`python -m tritium.client.bench.accuracy [--model DIR] [--quantization int8]` prints both (JSON).
-tests/engine/test_quantization.py holds the thresholds measured with it.
+`python -m tritium.client.bench.accuracy [--model DIR] [--quantization int8|int4] [--group-size G] [--head S]`
+prints both (JSON); `--group-size` (int4: 32, the default, 64, 128 or 256) and `--head` (the logits head's scheme:
+int8 or int4) measure other choices than the engine's, swapped into the engine's model after it loads
+(measurement knobs, not engine settings: quantization.QuantizationOptions). tests/engine/test_quantization.py holds
+the thresholds measured with it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.models.loader import load_model
+from tritium.backend.models.quantization import QuantizationOptions
 from tritium.backend.worker.attention import AttentionMetadata, get_attention_backend
 
 PROMPTS = (
@@ -123,14 +127,26 @@ def perplexity(model: LlamaForCausalLM, token_ids: list[int]) -> float:
     return math.exp(float(nll))
 
 
-def text_perplexity(folder: str | Path, quantization: str | None, text: str = TEXT) -> float:
-    """Perplexity of `text` under the model of `folder` (fp32 weights on the CPU, optionally quantized)."""
+def text_perplexity(folder: str | Path, quantization: str | None, text: str = TEXT,
+                    options: QuantizationOptions | None = None) -> float:
+    """Perplexity of `text` under the model of `folder` (fp32 weights on the CPU, optionally quantized with
+    `options`, None the defaults)."""
     from tritium.backend.tokenizer import Tokenizer
 
     ids = Tokenizer(Path(folder)).encode(text)
     model = load_model(folder, torch.float32, torch.device("cpu"), max_positions=len(ids) + 1,
-                       quantization=quantization)
+                       quantization=quantization, quantization_options=options)
     return perplexity(model, ids)
+
+
+def swap_projections(target: LlamaForCausalLM, source: LlamaForCausalLM) -> None:
+    """Give `target` (an engine's loaded model) `source`'s layer projections and logits head, in place."""
+    from tritium.backend.models.quantization import LAYER_PROJECTIONS
+
+    for dst, src in zip(target.layers, source.layers, strict=True):
+        for name in LAYER_PROJECTIONS:
+            setattr(dst, name, getattr(src, name))
+    target.packed_lm_head = source.packed_lm_head
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,17 +157,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
     p.add_argument("--quantization", default="int8")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=None, help="int4's group size (default: 32)")
+    p.add_argument("--head", default=None, help="the logits head's scheme (default: int8 for int8 and int4)")
     args = p.parse_args(argv)
     folder = resolve_model(args.model)
+    options = QuantizationOptions(group_size=args.group_size, head=args.head)
     ppl_ref = text_perplexity(folder, None)
-    ppl = text_perplexity(folder, args.quantization)
+    ppl = text_perplexity(folder, args.quantization, options=options)
     runs = []
     for q in (None, args.quantization):
         llm = LLM(model=str(folder), quantization=q, max_num_seqs=len(PROMPTS), max_num_batched_tokens=256)
+        if q is not None and options != QuantizationOptions():
+            swap_projections(llm.engine.worker.runner.model, load_model(
+                folder, torch.float32, torch.device("cpu"), quantization=q, quantization_options=options))
         runs.append(greedy_tokens(llm, args.max_tokens))
     agree = agreement(runs[0], runs[1])
     print(json.dumps({
-        "quantization": args.quantization, "perplexity_fp32": ppl_ref, "perplexity": ppl,
+        "quantization": args.quantization, "group_size": args.group_size, "head": args.head,
+        "perplexity_fp32": ppl_ref, "perplexity": ppl,
         "perplexity_rel_change": ppl / ppl_ref - 1, **asdict(agree),
         "mean_matching_prefix": agree.mean_matching_prefix, "earliest_divergence": agree.earliest_divergence,
         "exact_prompts": agree.exact,

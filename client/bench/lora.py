@@ -4,7 +4,8 @@
    `output_len` tokens each, all submitted at once (max_num_seqs = num_requests), run twice on the same engine:
    on the base model alone, and spread round-robin over four rank-16 adapters and the base model. Output tokens
    per second of each (the best of `repeats` alternating runs, after a warm-up of both), and the ratio
-   LoRA mix / base (1.0: adapters cost nothing).
+   LoRA mix / base (1.0: adapters cost nothing); also each mix run against the base run before it, and their
+   median.
 2. Load time of a rank-16 adapter targeting all seven modules: `LLM.load_lora` (read + check the PEFT folder
    into host memory), and writing it into a device slot (LoraStacks.write, synchronized on CUDA).
 3. Resident memory per adapter: its host bytes, and the device bytes one slot of the stacks takes (the stacks
@@ -179,10 +180,14 @@ def run_lora_benchmark(out_dir: str | Path = "bench_results", num_requests: int 
     bar.close()
     base = max(r.tokens_per_s for r in runs if r.mode == "base")
     lora = max(r.tokens_per_s for r in runs if r.mode == "lora-mix")
+    # each LoRA-mix run against the base run just before it: the spread says how much a shared host moved
+    pairs = [m.tokens_per_s / b.tokens_per_s for b, m in zip(runs[::2], runs[1::2], strict=True) if b.tokens_per_s]
     throughput = {"base_tokens_per_s": base, "lora_tokens_per_s": lora, "ratio": lora / base if base else 0.0,
+                  "pairwise_ratios": pairs, "median_pairwise_ratio": statistics.median(pairs) if pairs else 0.0,
                   "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs]}
     print(f"throughput: base {base:.1f} tok/s, {NUM_ADAPTERS} adapters + base {lora:.1f} tok/s, "
-          f"ratio {throughput['ratio']:.3f}")
+          f"ratio {throughput['ratio']:.3f} (best of each); pairwise {', '.join(f'{r:.3f}' for r in pairs)}, "
+          f"median {throughput['median_pairwise_ratio']:.3f}")
     print(f"load (rank {RANK}, all seven modules): load_lora {1e3 * load['load_s_median']:.1f} ms, "
           f"slot write {1e3 * load['slot_write_s_median']:.2f} ms")
     print(f"resident per adapter: host {memory['host_bytes'] / 2**20:.2f} MiB, device slot "

@@ -113,12 +113,13 @@ def run_offline_benchmark(
     out_dir: str | Path = "bench_results",
     max_num_seqs: int = 64,
     dtype: str = "auto",
+    quantization: str | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark (tritium in `dtype`, transformers in fp32), print the table and ratios, write
-    `offline.json` and `offline.png` into `out_dir`; returns the JSON dict."""
+    """Run the benchmark (tritium in `dtype` with `quantization`'s weights, transformers in fp32), print the table
+    and ratios, write `offline.json` and `offline.png` into `out_dir`; returns the JSON dict."""
     prompts = random_token_prompts(num_requests, min_prompt, max_prompt)
     results = []
-    tritium, overhead = bench_tritium(prompts, output_len, max_num_seqs, dtype=dtype)
+    tritium, overhead = bench_tritium(prompts, output_len, max_num_seqs, dtype=dtype, quantization=quantization)
     results.append(tritium)
     if not skip_transformers:
         results.append(bench_transformers(prompts, output_len, batch_size=1))
@@ -134,6 +135,7 @@ def run_offline_benchmark(
     )
     report = {
         "workload": {"num_requests": num_requests, "output_len": output_len, "min_prompt": min_prompt, "dtype": dtype,
+                     "quantization": quantization,
                      "max_prompt": max_prompt, "greedy": True, "ignore_eos": True},
         "machine": machine_info(),
         "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],

@@ -36,6 +36,8 @@ def _offline(bench: Any) -> None:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="tritium's dtype (auto: float32 on a CPU, bfloat16 on CUDA)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="tritium's weight-only quantization (int4: CPU only)")
     options.out_dir(p)
     p.set_defaults(func=run_offline)
 
@@ -46,7 +48,8 @@ def run_offline(args: argparse.Namespace) -> int:
 
     run_offline_benchmark(num_requests=args.num_requests, output_len=args.output_len, min_prompt=args.min_prompt,
                           max_prompt=args.max_prompt, skip_transformers=args.skip_transformers,
-                          out_dir=args.out_dir, max_num_seqs=args.max_num_seqs, dtype=args.dtype)
+                          out_dir=args.out_dir, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                          quantization=args.quantization)
     return 0
 
 

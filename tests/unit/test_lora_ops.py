@@ -150,10 +150,13 @@ def random_adapter(name: str, rank: int, targets: tuple[str, ...], scaling: floa
     return LoraAdapter(name, Path(name), rank, scaling, weights)
 
 
-def test_lora_batch_over_the_stacks_matches_each_adapter_per_row() -> None:
+@pytest.mark.parametrize("b_rank_major", [False, True])
+def test_lora_batch_over_the_stacks_matches_each_adapter_per_row(b_rank_major: bool) -> None:
     """Adapters of ranks 8 and 16 targeting some of q/k/v and gate/up (one only o_proj) plus base rows, every
-    fused projection of every layer, against each row's own adapter applied module by module."""
-    stacks = LoraStacks(SMALL_CONFIG, 4, 16, torch.float32, torch.device("cpu"))
+    fused projection of every layer, against each row's own adapter applied module by module; B stored as the
+    kernels read it and as the torch form reads it (rank-major)."""
+    stacks = LoraStacks(SMALL_CONFIG, 4, 16, torch.float32, torch.device("cpu"), b_rank_major=b_rank_major)
+    assert (stacks.b[0]["q_proj"].stride(1) == 1) == b_rank_major
     adapters = [random_adapter("qv", 8, ("q_proj", "v_proj", "up_proj"), 2.0, 0),
                 random_adapter("all", 16, MODULES, 0.5, 1),
                 random_adapter("o", 8, ("o_proj",), 1.0, 2)]
