@@ -25,7 +25,7 @@ import torch
 
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.models.loader import load_model
-from tritium.backend.models.quantization import QuantizationOptions
+from tritium.backend.models.quantization import LAYER_PROJECTIONS, QuantizationOptions
 from tritium.backend.worker.attention import AttentionMetadata, get_attention_backend
 
 PROMPTS = (
@@ -141,8 +141,6 @@ def text_perplexity(folder: str | Path, quantization: str | None, text: str = TE
 
 def swap_projections(target: LlamaForCausalLM, source: LlamaForCausalLM) -> None:
     """Give `target` (an engine's loaded model) `source`'s layer projections and logits head, in place."""
-    from tritium.backend.models.quantization import LAYER_PROJECTIONS
-
     for dst, src in zip(target.layers, source.layers, strict=True):
         for name in LAYER_PROJECTIONS:
             setattr(dst, name, getattr(src, name))

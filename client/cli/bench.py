@@ -36,8 +36,7 @@ def _offline(bench: Any) -> None:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="tritium's dtype (auto: float32 on a CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="tritium's weight-only quantization (int4: CPU only)")
+    options.quantization(p, help="tritium's weight-only quantization (int4: CPU only)")
     options.out_dir(p)
     p.set_defaults(func=run_offline)
 

@@ -19,8 +19,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="with --local: int8 weight-only, or int4 (CPU only)")
+    options.quantization(p, help="with --local: int8 weight-only, or int4 (CPU only)")
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("chat", help="chat with a running server, one user turn per line")

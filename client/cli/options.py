@@ -11,6 +11,9 @@ API_KEY_ENV = "TRITIUM_API_KEY"
 ADMIN_KEY_ENV = "TRITIUM_ADMIN_KEY"  # tritonserver's admin APIs, the model's LoRA admin actions, the endpoint's
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
 DEFAULT_OUT_DIR = "bench_results"
+# The engine's weight-only schemes (backend/models/quantization.py QUANTIZATIONS; not imported: it loads torch, and
+# `tritium --help` stays fast; tests/unit/test_cli_options.py keeps the two equal).
+QUANTIZATIONS = ("int8", "int4")
 
 
 def url(p: argparse.ArgumentParser, help: str, default: str = DEFAULT_GRPC_URL) -> None:
@@ -50,6 +53,11 @@ def out_dir(p: argparse.ArgumentParser, flag: str = "--out-dir", default: str = 
             help: str = "results folder (JSON + PNG)") -> None:
     """The results folder: `--out-dir` (benchmarks) or `--out` (gpu-check, bench cluster)."""
     p.add_argument(flag, default=default, help=help)
+
+
+def quantization(p: argparse.ArgumentParser, help: str) -> None:
+    """`--quantization`: the engine's weight-only scheme (None: the weights stay in their dtype)."""
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=help)
 
 
 def num_requests(p: argparse.ArgumentParser, default: int | None, help: str | None = None) -> None:

@@ -50,9 +50,8 @@ def add_parser(subparsers: Any) -> None:
                    "a model whose engine fails is unloaded)")
     p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
     p.add_argument("--log-verbose", type=int, default=0)
-    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
-                   help="serve the engine models with int8 weights, or int4 (CPU only) (sets model.json's "
-                        "quantization in a copy of the repository)")
+    options.quantization(p, help="serve the engine models with int8 weights, or int4 (CPU only) (sets "
+                         "model.json's quantization in a copy of the repository)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="the engine models' weight and activation dtype (model.json's dtype; default: float32 on a "
                         "CPU, bfloat16 on CUDA; bfloat16 is faster on CPUs with bf16 instructions)")
