@@ -11,6 +11,7 @@ PROMPT ?= What is the capital of France?
 
 setup: $(VENV)/.installed
 	$(BIN)/tritium models --prepare
+	$(BIN)/python -m tritium.kernels.cpu_lora
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

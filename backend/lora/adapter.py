@@ -135,7 +135,10 @@ def _read_weights(folder: Path, config: ModelConfig, rank: int, targets: set[str
             if tuple(tensor.shape) != want:
                 raise LoraAdapterError(f"{where}: tensor {key} has shape {list(tensor.shape)}; this model and "
                                        f"rank {rank} need {list(want)}")
-            parts.setdefault((layer, module), {})[which] = tensor.to(dtype).contiguous()
+            tensor = tensor.to(dtype).contiguous()
+            if not torch.isfinite(tensor).all():  # it would reach other requests' rows as 0 * inf = NaN
+                raise LoraAdapterError(f"{where}: tensor {key} holds NaN or infinite values (as {dtype})")
+            parts.setdefault((layer, module), {})[which] = tensor
     if not parts:
         raise LoraAdapterError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     weights = {}

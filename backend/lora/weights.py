@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tritium.backend.lora.adapter import MODULES, LoraAdapter, module_shapes
-from tritium.backend.lora.ops import LoraGroups, Segment, add_lora_fused, add_lora_rows
+from tritium.backend.lora.ops import LoraGroups, LoraSlice, Segment, add_lora_fused, add_lora_rows
+from tritium.backend.lora.windows import LoraWindows, add_lora_windows
 from tritium.backend.models.config import ModelConfig
+from tritium.kernels.cpu_lora import CpuLora
 from tritium.kernels.interface import KernelOps
 
 # The engine's fused projections and the PEFT modules whose outputs are their column slices, in order.
@@ -47,6 +49,16 @@ class LoraStacks:
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self.proj_targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self.slices = {fused: _slices(shapes, parts) for fused, parts in FUSED.items()}
+        self.num_layers = config.num_hidden_layers
+        self.covers_all = [False] * max_loras  # the slot's adapter targets every module of every layer
+        # every module's slice of each fused projection, and (rank-major stacks) B as the CPU kernel reads it:
+        # made once, so a decode step's calls pass them as they are
+        self.full_slices: list[dict[str, list[LoraSlice | None]]] = [
+            {proj: [(self.b[layer][m], start, end) for m, start, end in self.slices[proj]] for proj in FUSED}
+            for layer in range(config.num_hidden_layers)]
+        self.b_rows: list[dict[str, list[torch.Tensor | None]]] | None = [
+            {proj: [self.b[layer][m].transpose(1, 2) for m, _, _ in self.slices[proj]] for proj in FUSED}
+            for layer in range(config.num_hidden_layers)] if b_rank_major else None
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +74,7 @@ class LoraStacks:
         self.scaling[slot] = adapter.scaling
         self.targets[slot] = frozenset(adapter.weights)
         self.proj_targets[slot] = frozenset((layer, _PROJ_OF[module]) for layer, module in adapter.weights)
+        self.covers_all[slot] = len(adapter.weights) == self.num_layers * len(MODULES)
 
     def clear(self, slot: int) -> None:
         """Zero `slot`."""
@@ -71,6 +84,7 @@ class LoraStacks:
         self.scaling[slot] = 0.0
         self.targets[slot] = frozenset()
         self.proj_targets[slot] = frozenset()
+        self.covers_all[slot] = False
 
 
 def _slices(shapes: dict[str, tuple[int, int]], parts: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -83,17 +97,22 @@ def _slices(shapes: dict[str, tuple[int, int]], parts: tuple[str, ...]) -> list[
 
 @dataclass
 class LoraBatch:
-    """One step's adapter rows over `stacks`: grouped by slot (`groups`, eager steps) or one slot per row on the
-    device (`row_slots`, -1 for none: decode steps captured as CUDA graphs, which run every module of every row
-    since the slots are not known when the graph is captured). `kernels`: the ops module running shrink and
-    expand (lora/ops.py; None: torch). The runner builds it only when the step has adapter rows, so base-only
-    steps run the projections untouched."""
+    """One step's adapter rows over `stacks`, in one of three forms: grouped by slot (`groups`, eager steps),
+    laid out in windows by the runner (`windows`: the decode rows of eager steps of the torch form, windows.py;
+    the step's prefill rows, if any, then in `groups`), or one slot per row on the device (`row_slots`, -1 for
+    none: decode steps captured as CUDA graphs, which run every module of every row since the slots are not
+    known when the graph is captured). `kernels`: the ops module running shrink and expand (lora/ops.py; None:
+    torch). The runner builds it only when the step has adapter rows, so base-only steps run the projections
+    untouched."""
 
     groups: LoraGroups | None
     stacks: LoraStacks
     row_slots: torch.Tensor | None = None
     kernels: KernelOps | None = None
+    windows: LoraWindows | None = None
+    native: CpuLora | None = None  # the CPU kernel of the windowed form (kernels/cpu_lora.py), where built
     _subsets: dict[tuple[Segment, ...], LoraGroups] = field(default_factory=dict, repr=False)  # torch form's
+    _covers_all: bool | None = field(default=None, repr=False)  # every window's adapter targets every module
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the adapters' deltas to `y`, the output of the fused projection `proj` (qkv_proj, o_proj,
@@ -101,7 +120,11 @@ class LoraBatch:
         the step targets is skipped; the torch form also leaves out the slots that target none of `proj`'s
         modules (a slot's weights for a module it does not target are zeros, which add nothing)."""
         stacks, groups = self.stacks, self.groups
-        if groups is None:
+        if self.windows is not None:  # a step's decode rows; its prefill rows, if any, are in `groups`
+            self._apply_windows(layer, proj, x, y, self.windows)
+            if groups is None:
+                return
+        elif groups is None:
             assert self.row_slots is not None
             a, b = stacks.a[layer], stacks.b[layer]
             for module, start, end in stacks.slices[proj]:
@@ -111,9 +134,7 @@ class LoraBatch:
         segments = [seg for seg in groups.segments if key in stacks.proj_targets[seg[0]]]
         if not segments:
             return
-        b, targets = stacks.b[layer], stacks.targets
-        slices = [(b[module], start, end) if any((layer, module) in targets[slot] for slot, _, _ in segments) else None
-                  for module, start, end in stacks.slices[proj]]
+        slices = self._slices(layer, proj, [slot for slot, _, _ in segments])
         if self.kernels is not None:  # the staged device segments, all of them (zeros add nothing)
             add_lora_fused(y, x, groups, stacks.a_fused[layer][proj], slices, stacks.scaling, self.kernels)
             return
@@ -122,3 +143,22 @@ class LoraBatch:
         if subset is None:
             subset = self._subsets[subset_key] = LoraGroups(groups.token_indices, segments)
         add_lora_fused(y, x, subset, stacks.a_fused[layer][proj], slices, stacks.scaling)
+
+    def _apply_windows(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor, windows: LoraWindows) -> None:
+        """The windowed form; when every window's adapter targets every module (checked once a step), with the
+        stacks' own slices and B as they are, which spares a decode step's ~120 calls their Python work."""
+        stacks = self.stacks
+        if self._covers_all is None:
+            self._covers_all = all(stacks.covers_all[slot] for slot in windows.slots)
+        if self._covers_all:
+            add_lora_windows(y, x, windows, stacks.a_fused[layer][proj], stacks.full_slices[layer][proj],
+                             stacks.scaling, self.native, stacks.b_rows[layer][proj] if stacks.b_rows else None)
+        elif any((layer, proj) in stacks.proj_targets[slot] for slot in windows.slots):
+            add_lora_windows(y, x, windows, stacks.a_fused[layer][proj], self._slices(layer, proj, windows.slots),
+                             stacks.scaling, self.native)
+
+    def _slices(self, layer: int, proj: str, slots: list[int]) -> list[LoraSlice | None]:
+        """`proj`'s module slices (B, start, end), None for a module none of `slots` targets in `layer`."""
+        b, targets = self.stacks.b[layer], self.stacks.targets
+        return [(b[module], start, end) if any((layer, module) in targets[slot] for slot in slots) else None
+                for module, start, end in self.stacks.slices[proj]]

@@ -12,7 +12,9 @@ expand; a decode-only step with adapter rows instead stages one slot per row (-1
 and put first (so at the same offsets for every step of that bucket), and replays the bucket's LoRA graph,
 captured beside the base one (decode_graphs.py); the stacked adapter weights never move, so a graph sees what
 is loaded into a slot later. With the triton attention backend the kernels of kernels/lora.py run them, with
-the torch backend the torch code of lora/ops.py. Base-only steps are unchanged.
+the torch backend the torch code of lora/ops.py; there an eager step's decode rows are instead put in windows
+by adapter (lora/windows.py: the order of decode rows is free, logits come back in scheduled order), which the
+CPU kernel (kernels/cpu_lora.py) or the torch form runs without gathers. Base-only steps are unchanged.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import torch
 from tritium.backend.core.scheduler import ScheduledSequence
 from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups, segment_arrays
 from tritium.backend.lora.weights import LoraBatch, LoraStacks
+from tritium.backend.lora.windows import LoraWindows, plan_windows
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.worker.block_tables import DeviceBlockTables
 from tritium.backend.worker.decode_graphs import DecodeGraphs
 from tritium.backend.worker.staging import StagingBuffer
+from tritium.kernels.cpu_lora import load_cpu_lora
 from tritium.kernels.warmup import EngineShape
 from tritium.kernels.warmup import warm_up as warm_up_kernels
 
@@ -82,6 +86,7 @@ class HostStep:
     update_index: list[int] = field(default_factory=list)  # block-table entries to write (flat index, block)
     update_value: list[int] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # per row when a row has an adapter: its slot, -1 for base
+    lora_windows: LoraWindows | None = None  # the decode rows' windows (lora/windows.py), when laid out so
 
 
 @dataclass
@@ -111,6 +116,7 @@ class PreparedStep:
     lora_seg_starts: slice | None = None  # the segments staged for the kernels: starts (end appended), slots
     lora_seg_slots: slice | None = None
     lora_row_slots: slice | None = None  # a LoRA decode graph's step: each padded row's slot (-1: none)
+    lora_windows: LoraWindows | None = None  # the torch form's eager steps: the decode rows' windows
 
 
 class ModelRunner:
@@ -146,6 +152,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.staging = staging
         self.graphs = graphs
+        # the windowed decode form's CPU kernel: fp32 on a CPU with the torch backend (built once per machine)
+        windowed = lora_stacks is not None and backend.name != "triton"
+        self.cpu_lora = load_cpu_lora() if windowed and device.type == "cpu" and dtype == torch.float32 else None
 
     def release(self, request_id: str) -> None:
         """Forget a finished or preempted request's block-table row."""
@@ -158,9 +167,12 @@ class ModelRunner:
         tables = self.block_tables
         host = HostStep()
         last_row: dict[int, int] = {}  # id(scheduled) -> its last packed row
-        for s in batch:  # decode rows: one token at position num_computed_tokens
-            if s.num_new_tokens != 1:
-                continue
+        decode = [s for s in batch if s.num_new_tokens == 1]
+        graphable = len(decode) == len(batch)  # with adapter rows: the bucket's LoRA graph
+        bucket = self.graphs.bucket_for(len(decode)) if graphable else None
+        if self.lora_stacks is not None and bucket is None and self.backend.name != "triton":
+            decode = self._windowed(decode, host)
+        for s in decode:  # decode rows: one token at position num_computed_tokens
             seq = s.seq
             pos = seq.num_computed_tokens
             last_row[id(s)] = len(host.input_ids)
@@ -193,11 +205,19 @@ class ModelRunner:
         host.logit_rows = [row for s in batch if s.samples
                            for row in range(last_row[id(s)] - len(s.draft), last_row[id(s)] + 1)]
         host.update_index, host.update_value = tables.take_updates()
-        num_decode = len(host.decode_rows)
         if not any(slot >= 0 for slot in host.lora_slots):
             host.lora_slots.clear()  # a base-only step stages no LoRA rows and may replay a graph
-        graphable = num_decode == len(batch)  # with adapter rows: the bucket's LoRA graph
-        return self._stage(host, self.graphs.bucket_for(num_decode) if graphable else None)
+        return self._stage(host, bucket)
+
+    @staticmethod
+    def _windowed(decode: list[ScheduledSequence], host: HostStep) -> list[ScheduledSequence]:
+        """The decode sequences in the windowed order of the torch form (lora/windows.py), whose windows `host`
+        then keeps, when they can be filled; else as they are. A step's prefill rows keep the grouped form."""
+        plan = plan_windows([s.seq.lora_slot for s in decode])
+        if plan is None:
+            return decode
+        order, host.lora_windows = plan
+        return [decode[i] for i in order]
 
     def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
         """Put `host` into the staging buffer, decode sections padded to `bucket` (a graph reads them at the
@@ -233,8 +253,12 @@ class ModelRunner:
             bucket=bucket,
         )
         step.lora_row_slots = row_slots
-        if host.lora_slots and bucket is None:
-            rows, step.lora_segments = lora_groups(host.lora_slots)
+        step.lora_windows = host.lora_windows
+        grouped = host.lora_slots
+        if host.lora_windows is not None:  # the windows take the decode rows: the prefill rows left to group
+            grouped = [-1] * len(host.decode_rows) + host.lora_slots[len(host.decode_rows) :]
+        if bucket is None and any(slot >= 0 for slot in grouped):
+            rows, step.lora_segments = lora_groups(grouped)
             step.lora_rows = st.put(rows)
             starts, slots = segment_arrays(step.lora_segments)
             step.lora_seg_starts, step.lora_seg_slots = st.put(starts), st.put(slots)
@@ -263,7 +287,10 @@ class ModelRunner:
             assert self.lora_stacks is not None
             groups = LoraGroups(st.ints(step.lora_rows), step.lora_segments, st.ints(step.lora_seg_starts),
                                 st.ints(step.lora_seg_slots))
-            lora = LoraBatch(groups, self.lora_stacks, kernels=kernels)
+            lora = LoraBatch(groups, self.lora_stacks, kernels=kernels, windows=step.lora_windows, native=self.cpu_lora)
+        elif step.lora_windows is not None:
+            assert self.lora_stacks is not None
+            lora = LoraBatch(None, self.lora_stacks, windows=step.lora_windows, native=self.cpu_lora)
         elif step.lora_row_slots is not None:
             assert self.lora_stacks is not None
             lora = LoraBatch(None, self.lora_stacks, st.ints(step.lora_row_slots), kernels)

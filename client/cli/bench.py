@@ -57,7 +57,8 @@ def _lora(bench: Any) -> None:
     options.num_requests(p, 32, help="requests submitted at once, round-robin over 4 adapters and the base model")
     options.output_len(p, 128)
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens (about)")
-    p.add_argument("--repeats", type=int, default=2, help="base / LoRA-mix runs, alternating; the best of each")
+    p.add_argument("--repeats", type=int, default=4,
+                   help="base / LoRA-mix run pairs, in ABBA order; the best of each and the pairs' median ratio")
     options.out_dir(p)
     p.set_defaults(func=run_lora)
 

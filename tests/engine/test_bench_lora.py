@@ -7,13 +7,15 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from tritium.backend.lora.adapter import MODULES
 from tritium.client.bench.lora import NUM_ADAPTERS, RANK, run_lora_benchmark
 from tritium.client.cli.main import build_parser
 
 
 def test_smoke_run_reports_throughput_load_and_memory(tmp_path: Path) -> None:
-    returned = run_lora_benchmark(tmp_path, num_requests=NUM_ADAPTERS + 1, output_len=3, input_len=8, repeats=1,
+    returned = run_lora_benchmark(tmp_path, num_requests=NUM_ADAPTERS + 1, output_len=3, input_len=8, repeats=2,
                                   kv_cache_bytes=8 << 20, max_model_len=128)
     report = json.loads((tmp_path / "lora.json").read_text())
     assert (tmp_path / "lora.png").stat().st_size > 0
@@ -22,7 +24,10 @@ def test_smoke_run_reports_throughput_load_and_memory(tmp_path: Path) -> None:
     tp = report["throughput"]
     assert math.isfinite(tp["ratio"]) and tp["ratio"] > 0
     assert tp["base_tokens_per_s"] > 0 and tp["lora_tokens_per_s"] > 0
-    assert {r["mode"] for r in tp["runs"]} == {"base", "lora-mix"}
+    assert [r["mode"] for r in tp["runs"]] == ["base", "lora-mix", "lora-mix", "base"]  # ABBA
+    assert len(tp["pairwise_ratios"]) == 2 and all(r > 0 for r in tp["pairwise_ratios"])
+    assert tp["ratio"] == tp["median_pairwise_ratio"] == pytest.approx(sum(tp["pairwise_ratios"]) / 2)
+    assert tp["best_of_ratio"] == tp["lora_tokens_per_s"] / tp["base_tokens_per_s"]
     assert all(r["output_tokens"] == (NUM_ADAPTERS + 1) * 3 for r in tp["runs"])
     load = report["load"]
     assert len(load["load_s"]) == len(load["slot_write_s"]) == NUM_ADAPTERS

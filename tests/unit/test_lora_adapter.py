@@ -69,6 +69,11 @@ def test_bad_weights_are_refused_naming_the_tensor(tmp_path: Path) -> None:
     save_file({**good, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 16)}, str(path))
     with pytest.raises(LoraAdapterError, match=re.escape("lm_head.lora_A.weight is not a LoRA weight")):
         load(folder)
+    broken = good[name].clone()
+    broken[3, 1] = float("nan")  # 0 * NaN in a batch's padding would reach other requests' rows
+    save_file({**good, name: broken}, str(path))
+    with pytest.raises(LoraAdapterError, match=rf"{re.escape(name)} holds NaN or infinite values"):
+        load(folder)
     path.unlink()
     with pytest.raises(LoraAdapterError, match=re.escape("no adapter_model.safetensors")):
         load(folder)

@@ -11,6 +11,7 @@ import torch
 from tritium.backend.lora.adapter import MODULES, LoraAdapter, module_shapes
 from tritium.backend.lora.ops import LoraGroups, add_lora, add_lora_fused, lora_groups
 from tritium.backend.lora.weights import FUSED, LoraBatch, LoraStacks
+from tritium.backend.lora.windows import plan_windows
 
 from support.lora import SMALL_CONFIG
 
@@ -150,11 +151,21 @@ def random_adapter(name: str, rank: int, targets: tuple[str, ...], scaling: floa
     return LoraAdapter(name, Path(name), rank, scaling, weights)
 
 
-@pytest.mark.parametrize("b_rank_major", [False, True])
-def test_lora_batch_over_the_stacks_matches_each_adapter_per_row(b_rank_major: bool) -> None:
-    """Adapters of ranks 8 and 16 targeting some of q/k/v and gate/up (one only o_proj) plus base rows, every
-    fused projection of every layer, against each row's own adapter applied module by module; B stored as the
-    kernels read it and as the torch form reads it (rank-major)."""
+MIXED = [1, -1, 0, 3, 0, 1, -1, 3, 1]
+
+
+@pytest.mark.parametrize(("b_rank_major", "form", "token_slots"), [
+    (False, "groups", MIXED), (True, "groups", MIXED),
+    (True, "windows", MIXED),
+    (True, "windows", [1, -1, 1, 1, -1]),  # only the adapter of every module: the stacks' own slices serve
+    (True, "windows+groups", MIXED),  # a mixed step: decode rows in windows, then prefill rows grouped
+])
+def test_lora_batch_over_the_stacks_matches_each_adapter_per_row(b_rank_major: bool, form: str,
+                                                                 token_slots: list[int]) -> None:
+    """Adapters of ranks 8 and 16 targeting some of q/k/v and gate/up (one only o_proj, one every module) plus
+    base rows, every fused projection of every layer, against each row's own adapter applied module by module;
+    B stored as the kernels read it and as the torch form reads it (rank-major); rows grouped by slot, laid out
+    in windows (a decode step of the torch form), or both (decode rows in windows, prefill rows after them)."""
     stacks = LoraStacks(SMALL_CONFIG, 4, 16, torch.float32, torch.device("cpu"), b_rank_major=b_rank_major)
     assert (stacks.b[0]["q_proj"].stride(1) == 1) == b_rank_major
     adapters = [random_adapter("qv", 8, ("q_proj", "v_proj", "up_proj"), 2.0, 0),
@@ -162,12 +173,24 @@ def test_lora_batch_over_the_stacks_matches_each_adapter_per_row(b_rank_major: b
                 random_adapter("o", 8, ("o_proj",), 1.0, 2)]
     for slot, adapter in zip((0, 1, 3), adapters, strict=True):
         stacks.write(slot, adapter)
+    assert stacks.covers_all == [False, True, False, False]
     assert stacks.a[0]["k_proj"].data_ptr() == stacks.a_fused[0]["qkv_proj"][:, 16:].data_ptr()  # a view
-    token_slots = [1, -1, 0, 3, 0, 1, -1, 3, 1]
+    plan = plan_windows(token_slots)
+    assert plan is not None
+    prefill = [0, 0, -1, 3, 1, 1, -1] if form == "windows+groups" else []
+    if form != "groups":
+        token_slots = [token_slots[i] for i in plan[0]]
+    decode_rows = len(token_slots)
+    token_slots = token_slots + prefill
     of_slot = {0: adapters[0], 1: adapters[1], 3: adapters[2]}
     shapes, g = module_shapes(SMALL_CONFIG), torch.Generator().manual_seed(5)
     for layer in range(SMALL_CONFIG.num_hidden_layers):
-        batch = LoraBatch(groups(token_slots), stacks)
+        if form == "groups":
+            batch = LoraBatch(groups(token_slots), stacks)
+        elif form == "windows":
+            batch = LoraBatch(None, stacks, windows=plan[1])
+        else:
+            batch = LoraBatch(groups([-1] * decode_rows + prefill), stacks, windows=plan[1])
         for proj, modules in FUSED.items():
             x = torch.randn(len(token_slots), shapes[modules[0]][0], generator=g)
             y = torch.randn(len(token_slots), sum(shapes[m][1] for m in modules), generator=g)
@@ -180,4 +203,5 @@ def test_lora_batch_over_the_stacks_matches_each_adapter_per_row(b_rank_major: b
                         expected[t, start:end] += adapter.scaling * (x[t] @ wa.t()) @ wb.t()
             batch.apply(layer, proj, x, y)
             torch.testing.assert_close(y, expected)
-            assert torch.equal(y[[1, 6]], expected[[1, 6]])
+            base = [t for t, s in enumerate(token_slots) if s < 0]
+            assert torch.equal(y[base], expected[base])

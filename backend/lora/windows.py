@@ -1,0 +1,132 @@
+"""A decode step's adapter rows laid out in windows: the torch form of LoRA without gathers or scatters.
+
+On a CPU the padded form of ops.py spends most of a decode step's LoRA time not on its matmuls but on moving
+rows: a gather of the input rows and a gather of each row's product per projection, ~8 small ops per layer
+that read cold memory between the base GEMMs. The order of a decode step's rows is free (logits come back in
+scheduled order through the logit rows), so the runner lays them out for the adapters instead: window k is
+rows [k * length, (k + 1) * length), slot `slots[k]`'s rows first, then rows of no adapter (fillers). Then
+`x[: S * length]` viewed as [S, length, in] is the batch of the shrink bmm as it lies, and
+`y[: S * length]` viewed as [S, length, out] takes each expand's product in place; fillers' products are
+zeroed (an exact 0 added, whatever their rows hold). It needs as many rows of no adapter as the windows have
+gaps: `plan_windows` returns None otherwise, and the step takes the padded form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tritium.backend.lora.ops import LoraSlice
+from tritium.kernels.cpu_lora import CpuLora
+
+
+@dataclass
+class LoraWindows:
+    """A step's windows: `slots[k]` (ascending) has `counts[k]` rows at the start of window k, each window
+    `length` rows, from row 0 of the step."""
+
+    slots: list[int]
+    counts: list[int]
+    length: int
+    _slot_index: torch.Tensor | None = field(default=None, repr=False)  # the device tensors, made once a step
+    _scale: torch.Tensor | None = field(default=None, repr=False)
+    _fillers: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the windows span (adapter rows and fillers)."""
+        return len(self.slots) * self.length
+
+    def stacked(self, weights: torch.Tensor) -> torch.Tensor:
+        """`weights[slots]` of a slot-stacked weight: a view when the slots are a range, else a gather."""
+        lo = self.slots[0]
+        if self.slots == list(range(lo, lo + len(self.slots))):
+            return weights[lo : lo + len(self.slots)]
+        return weights.index_select(0, self._slots(weights.device))
+
+    def scale_and_fillers(self, scaling: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each window's scaling as [S, 1, 1] in `dtype`, and the fillers' places as a [S, length, 1] bool
+        mask (None when no window has a filler)."""
+        if self._scale is None:
+            dev = scaling.device
+            self._scale = scaling.index_select(0, self._slots(dev)).to(dtype).view(-1, 1, 1)
+            if min(self.counts) < self.length:
+                places = torch.arange(self.length, device=dev)[None, :]
+                self._fillers = (places >= torch.tensor(self.counts, device=dev)[:, None])[..., None]
+        return self._scale, self._fillers
+
+    def _slots(self, device: torch.device) -> torch.Tensor:
+        if self._slot_index is None:
+            self._slot_index = torch.tensor(self.slots, device=device)
+        return self._slot_index
+
+
+def plan_windows(row_slots: list[int]) -> tuple[list[int], LoraWindows] | None:
+    """The windowed order of a decode step's rows (`row_slots`: each row's slot, -1 for none): the rows'
+    indices in their new order (windows first, in slot order, then the rows of no adapter left over) and the
+    windows; None when there is no adapter row or too few rows of no adapter to fill the windows' gaps."""
+    by_slot: dict[int, list[int]] = {}
+    base: list[int] = []
+    for row, slot in enumerate(row_slots):
+        (by_slot.setdefault(slot, []) if slot >= 0 else base).append(row)
+    if not by_slot:
+        return None
+    slots = sorted(by_slot)
+    counts = [len(by_slot[s]) for s in slots]
+    length = max(counts)
+    if length * len(slots) - sum(counts) > len(base):
+        return None
+    order: list[int] = []
+    fillers = iter(base)
+    for slot in slots:
+        order += by_slot[slot]
+        order += [next(fillers) for _ in range(length - len(by_slot[slot]))]
+    order += fillers
+    return order, LoraWindows(slots, counts, length)
+
+
+def add_lora_windows(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torch.Tensor,
+                     slices: Sequence[LoraSlice | None], scaling: torch.Tensor, native: CpuLora | None = None,
+                     b_rows: list[torch.Tensor | None] | None = None) -> None:
+    """`add_lora_fused` (ops.py) for rows laid out in `windows`: `y[t, start:end] += scaling[s] * (x[t] @
+    A_j[s]^T) @ B_j[s]^T` for every row t of window slot s and module j (`slices[j]`: (B [slots, out_j, rank],
+    start, end), None: skipped); fillers and rows past the windows are left as they are. x: [T, in] and
+    y: [T, out] with T >= windows.num_rows; y may be a view (its rows are written in place). `native`: the
+    CPU kernel (kernels/cpu_lora.py), used for fp32 operands in the layout it reads (B rank-major), else the
+    torch code here; `b_rows`: each slice's B in that layout (`B.transpose(1, 2)`), when the caller has it."""
+    if not any(slices):
+        return
+    if native is not None and _native(y, x, windows, lora_a, slices, scaling, native, b_rows):
+        return
+    num, length = len(windows.slots), windows.length
+    rank = lora_a.shape[1] // len(slices)
+    buffer = torch.bmm(x[: num * length].unflatten(0, (num, length)), windows.stacked(lora_a).transpose(1, 2))
+    scale, fillers = windows.scale_and_fillers(scaling, x.dtype)
+    buffer.mul_(scale)
+    if fillers is not None:  # a filler's product is exactly 0, NaN in its row or not
+        buffer.masked_fill_(fillers, 0.0)
+    out = y[: num * length].unflatten(0, (num, length))
+    for j, part in enumerate(slices):
+        if part is None:
+            continue
+        lora_b, start, end = part
+        product = torch.bmm(buffer[..., j * rank : (j + 1) * rank], windows.stacked(lora_b).transpose(1, 2))
+        out[..., start:end].add_(product)
+
+
+def _native(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torch.Tensor,
+            slices: Sequence[LoraSlice | None], scaling: torch.Tensor, native: CpuLora,
+            b_rows: list[torch.Tensor | None] | None) -> bool:
+    """Run the CPU kernel when the operands are what it reads; returns whether it ran."""
+    if x.dtype != torch.float32 or x.stride(1) != 1 or y.stride(1) != 1 or y.dtype != torch.float32:
+        return False
+    if b_rows is None:
+        b_rows = [None if part is None else part[0].transpose(1, 2) for part in slices]
+        if not (lora_a.is_contiguous() and lora_a.dtype == scaling.dtype == torch.float32 and x.device.type == "cpu"
+                and all(b is None or (b.is_contiguous() and b.dtype == torch.float32) for b in b_rows)):
+            return False
+    native.lora_windows(y, x, lora_a, b_rows, [0 if part is None else part[1] for part in slices], windows.slots,
+                        windows.counts, windows.length, scaling)
+    return True
