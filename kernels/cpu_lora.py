@@ -31,7 +31,7 @@ _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", 
 
 class CpuLora(Protocol):
     def lora_windows(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor | None],
-                     col_starts: list[int], slots: list[int], counts: list[int], length: int,
+                     col_starts: list[int], slots: list[int], starts: list[int], counts: list[int], length: int,
                      scaling: torch.Tensor) -> None:
         """See kernels/cpu/lora_windows.cpp."""
         ...

@@ -8,7 +8,9 @@ rows [k * length, (k + 1) * length), slot `slots[k]`'s rows first, then rows of 
 `x[: S * length]` viewed as [S, length, in] is the batch of the shrink bmm as it lies, and
 `y[: S * length]` viewed as [S, length, out] takes each expand's product in place; fillers' products are
 zeroed (an exact 0 added, whatever their rows hold). It needs as many rows of no adapter as the windows have
-gaps: `plan_windows` returns None otherwise, and the step takes the padded form.
+gaps: `plan_windows` returns None otherwise, and the step takes the padded form. The CPU kernel
+(kernels/cpu_lora.py) reads rows wherever a window starts, so for it the windows are packed instead (each
+slot's rows right after the previous slot's, no fillers), which fits every decode step.
 """
 
 from __future__ import annotations
@@ -24,20 +26,27 @@ from tritium.kernels.cpu_lora import CpuLora
 
 @dataclass
 class LoraWindows:
-    """A step's windows: `slots[k]` (ascending) has `counts[k]` rows at the start of window k, each window
-    `length` rows, from row 0 of the step."""
+    """A step's windows: `slots[k]` (ascending) has `counts[k]` rows from row `starts[k]`. Evenly spaced
+    windows (`starts[k] = k * length`, no `starts` given) are what the torch form reads as one batch, fillers
+    after each window's rows; packed ones (each slot's rows right after the previous slot's, no fillers) only
+    the CPU kernel reads as they are."""
 
     slots: list[int]
     counts: list[int]
-    length: int
+    length: int  # the longest window
+    starts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.starts:
+            self.starts = [k * self.length for k in range(len(self.slots))]
+
+    @property
+    def even(self) -> bool:
+        """Whether window k starts at row k * length (the torch form's batch)."""
+        return self.starts == [k * self.length for k in range(len(self.slots))]
     _slot_index: torch.Tensor | None = field(default=None, repr=False)  # the device tensors, made once a step
     _scale: torch.Tensor | None = field(default=None, repr=False)
     _fillers: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def num_rows(self) -> int:
-        """Rows the windows span (adapter rows and fillers)."""
-        return len(self.slots) * self.length
 
     def stacked(self, weights: torch.Tensor) -> torch.Tensor:
         """`weights[slots]` of a slot-stacked weight: a view when the slots are a range, else a gather."""
@@ -63,10 +72,12 @@ class LoraWindows:
         return self._slot_index
 
 
-def plan_windows(row_slots: list[int]) -> tuple[list[int], LoraWindows] | None:
+def plan_windows(row_slots: list[int], packed: bool = False) -> tuple[list[int], LoraWindows] | None:
     """The windowed order of a decode step's rows (`row_slots`: each row's slot, -1 for none): the rows'
     indices in their new order (windows first, in slot order, then the rows of no adapter left over) and the
-    windows; None when there is no adapter row or too few rows of no adapter to fill the windows' gaps."""
+    windows. Even windows (the torch form) take rows of no adapter as fillers: None when there are too few, or
+    no adapter row. `packed` (the CPU kernel) puts each slot's rows right after the previous slot's, which
+    always fits."""
     by_slot: dict[int, list[int]] = {}
     base: list[int] = []
     for row, slot in enumerate(row_slots):
@@ -76,6 +87,9 @@ def plan_windows(row_slots: list[int]) -> tuple[list[int], LoraWindows] | None:
     slots = sorted(by_slot)
     counts = [len(by_slot[s]) for s in slots]
     length = max(counts)
+    if packed:
+        starts = [sum(counts[:k]) for k in range(len(slots))]
+        return [row for s in slots for row in by_slot[s]] + base, LoraWindows(slots, counts, length, starts)
     if length * len(slots) - sum(counts) > len(base):
         return None
     order: list[int] = []
@@ -93,12 +107,15 @@ def add_lora_windows(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lor
     """`add_lora_fused` (ops.py) for rows laid out in `windows`: `y[t, start:end] += scaling[s] * (x[t] @
     A_j[s]^T) @ B_j[s]^T` for every row t of window slot s and module j (`slices[j]`: (B [slots, out_j, rank],
     start, end), None: skipped); fillers and rows past the windows are left as they are. x: [T, in] and
-    y: [T, out] with T >= windows.num_rows; y may be a view (its rows are written in place). `native`: the
+    y: [T, out], T covering every window; y may be a view (its rows are written in place). `native`: the
     CPU kernel (kernels/cpu_lora.py), used for fp32 operands in the layout it reads (B rank-major), else the
     torch code here; `b_rows`: each slice's B in that layout (`B.transpose(1, 2)`), when the caller has it."""
     if not any(slices):
         return
     if native is not None and _native(y, x, windows, lora_a, slices, scaling, native, b_rows):
+        return
+    if not windows.even:
+        _per_window(y, x, windows, lora_a, slices, scaling)
         return
     num, length = len(windows.slots), windows.length
     rank = lora_a.shape[1] // len(slices)
@@ -116,6 +133,20 @@ def add_lora_windows(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lor
         out[..., start:end].add_(product)
 
 
+def _per_window(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torch.Tensor,
+                slices: Sequence[LoraSlice | None], scaling: torch.Tensor) -> None:
+    """Packed windows in torch, a shrink and expands per window (the kernel's layout when the kernel cannot take
+    the operands: slow, never wrong)."""
+    rank = lora_a.shape[1] // len(slices)
+    for slot, start, count in zip(windows.slots, windows.starts, windows.counts, strict=True):
+        rows = slice(start, start + count)
+        buffer = (x[rows] @ lora_a[slot].t()) * scaling[slot].to(x.dtype)
+        for j, part in enumerate(slices):
+            if part is not None:
+                lora_b, col_start, col_end = part
+                y[rows, col_start:col_end] += buffer[:, j * rank : (j + 1) * rank] @ lora_b[slot].t()
+
+
 def _native(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torch.Tensor,
             slices: Sequence[LoraSlice | None], scaling: torch.Tensor, native: CpuLora,
             b_rows: list[torch.Tensor | None] | None) -> bool:
@@ -128,5 +159,5 @@ def _native(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torc
                 and all(b is None or (b.is_contiguous() and b.dtype == torch.float32) for b in b_rows)):
             return False
     native.lora_windows(y, x, lora_a, b_rows, [0 if part is None else part[1] for part in slices], windows.slots,
-                        windows.counts, windows.length, scaling)
+                        windows.starts, windows.counts, windows.length, scaling)
     return True

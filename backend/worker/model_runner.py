@@ -209,11 +209,11 @@ class ModelRunner:
             host.lora_slots.clear()  # a base-only step stages no LoRA rows and may replay a graph
         return self._stage(host, bucket)
 
-    @staticmethod
-    def _windowed(decode: list[ScheduledSequence], host: HostStep) -> list[ScheduledSequence]:
-        """The decode sequences in the windowed order of the torch form (lora/windows.py), whose windows `host`
-        then keeps, when they can be filled; else as they are. A step's prefill rows keep the grouped form."""
-        plan = plan_windows([s.seq.lora_slot for s in decode])
+    def _windowed(self, decode: list[ScheduledSequence], host: HostStep) -> list[ScheduledSequence]:
+        """The decode sequences in windowed order (lora/windows.py: packed for the CPU kernel, even for the torch
+        form, when they can be filled), whose windows `host` then keeps; else as they are. A step's prefill
+        rows keep the grouped form."""
+        plan = plan_windows([s.seq.lora_slot for s in decode], packed=self.cpu_lora is not None)
         if plan is None:
             return decode
         order, host.lora_windows = plan

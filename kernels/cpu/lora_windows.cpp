@@ -4,8 +4,8 @@
 // stream of the adapter weights runs at 15-20 GB/s: here each weight is read once, by dot products (shrink)
 // and broadcast multiply-adds over column blocks (expand) that the compiler vectorizes.
 //
-// Window k is rows [k * length, k * length + counts[k]) of x and y (the rest of the window: fillers, not
-// touched), slot slots[k]. For every such row t and module j (bs[j] present):
+// Window k is rows [starts[k], starts[k] + counts[k]) of x and y (other rows are not touched), slot slots[k];
+// counts[k] <= length. For every such row t and module j (bs[j] present):
 //   buf[t, :] = scaling[slot] * x[t] @ a[slot]^T                     a: [slots, modules * rank, in]
 //   y[t, col_starts[j] : col_starts[j] + N_j] += buf[t, j * rank : (j + 1) * rank] @ bs[j][slot]
 // with bs[j]: [slots, rank, N_j] (rank-major). Accumulation in fp32, in a fixed order per row: a row's result
@@ -31,8 +31,8 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 void lora_windows(torch::Tensor y, torch::Tensor x, torch::Tensor a, std::vector<std::optional<torch::Tensor>> bs,
-                  std::vector<int64_t> col_starts, std::vector<int64_t> slots, std::vector<int64_t> counts,
-                  int64_t length, torch::Tensor scaling) {
+                  std::vector<int64_t> col_starts, std::vector<int64_t> slots, std::vector<int64_t> starts,
+                  std::vector<int64_t> counts, int64_t length, torch::Tensor scaling) {
   check_rows(y, "y");
   check_rows(x, "x");
   TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.scalar_type() == torch::kFloat32, "a: contiguous [slots, R, in]");
@@ -40,8 +40,8 @@ void lora_windows(torch::Tensor y, torch::Tensor x, torch::Tensor a, std::vector
   const int64_t num = static_cast<int64_t>(slots.size()), modules = static_cast<int64_t>(bs.size());
   const int64_t ranks = a.size(1), in = a.size(2), rank = ranks / modules;
   TORCH_CHECK(modules > 0 && rank * modules == ranks && x.size(1) == in, "a's ranks or inputs do not fit");
-  TORCH_CHECK(counts.size() == slots.size() && col_starts.size() == bs.size(), "one count per slot, one start per module");
-  TORCH_CHECK(x.size(0) >= num * length && y.size(0) >= num * length, "the windows span more rows than x or y");
+  TORCH_CHECK(counts.size() == slots.size() && starts.size() == slots.size() && col_starts.size() == bs.size(),
+              "one start and count per slot, one column start per module");
   std::vector<const float*> b_ptr(modules, nullptr);
   std::vector<int64_t> b_cols(modules, 0);
   for (int64_t j = 0; j < modules; ++j) {
@@ -55,6 +55,9 @@ void lora_windows(torch::Tensor y, torch::Tensor x, torch::Tensor a, std::vector
   }
   for (int64_t k = 0; k < num; ++k) {
     TORCH_CHECK(slots[k] >= 0 && slots[k] < a.size(0) && counts[k] >= 0 && counts[k] <= length, "a bad window");
+    TORCH_CHECK(starts[k] >= 0 && starts[k] + counts[k] <= std::min(x.size(0), y.size(0)),
+                "a window spans more rows than x or y");
+    TORCH_CHECK(k == 0 || starts[k - 1] + counts[k - 1] <= starts[k], "windows must be in row order, apart");
   }
   const float* xp = x.data_ptr<float>();
   const float* ap = a.data_ptr<float>();
@@ -66,7 +69,7 @@ void lora_windows(torch::Tensor y, torch::Tensor x, torch::Tensor a, std::vector
     std::vector<float> buf(length * ranks);
     const std::vector<float> zeros(in, 0.f);  // stands in for the rows a last block of the window lacks
     for (int64_t k = begin; k < end; ++k) {
-      const int64_t slot = slots[k], rows = counts[k], first = k * length;
+      const int64_t slot = slots[k], rows = counts[k], first = starts[k];
       const float scale = sp[slot];
       for (int64_t i0 = 0; i0 < rows; i0 += kRowBlock) {  // shrink, kRowBlock rows at a time
         const float* x_rows[kRowBlock];

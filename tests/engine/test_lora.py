@@ -99,6 +99,27 @@ def test_a_mixed_batch_gives_each_request_its_solo_tokens(
 
 
 @pytest.mark.batch_invariant
+@pytest.mark.parametrize("kernel", [True, False])
+def test_decode_rows_laid_out_by_adapter_give_each_request_its_solo_tokens(
+        make_llm: Callable[..., LLM], tiny_llama_path: Path, adapters: dict[str, Path], prompts: list[list[int]],
+        solo: dict[str | None, list[list[int]]], kernel: bool) -> None:
+    """Eager decode steps put their rows in windows by adapter: packed for the CPU kernel, evenly with base rows
+    as fillers for the torch form (as on a machine where the kernel cannot be built), which takes the padded
+    form when there are too few (the second batch: adapters only, in uneven numbers)."""
+    llm = lora_llm(make_llm, tiny_llama_path, adapters)
+    runner = llm.engine.worker.runner
+    assert runner.cpu_lora is not None, "the CPU LoRA kernel must build on the test machine"
+    if not kernel:
+        runner.cpu_lora = None
+    batch, names = mixed(prompts)
+    assert [o.token_ids for o in llm.generate(batch, GREEDY, lora_name=names)] == expected(solo, prompts, batch, names)
+    only = [(p, n) for p, n in zip(batch, names, strict=True) if n is not None][1:]
+    batch, names = [p for p, _ in only], [n for _, n in only]
+    assert len(set(names)) > 1 and len({names.count(n) for n in set(names)}) > 1  # uneven
+    assert [o.token_ids for o in llm.generate(batch, GREEDY, lora_name=names)] == expected(solo, prompts, batch, names)
+
+
+@pytest.mark.batch_invariant
 def test_a_mixed_batch_under_preemption(make_llm: Callable[..., LLM], tiny_llama_path: Path,
                                         adapters: dict[str, Path], prompts: list[list[int]],
                                         solo: dict[str | None, list[list[int]]]) -> None:

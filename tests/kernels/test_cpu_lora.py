@@ -34,15 +34,20 @@ def stacks(g: torch.Generator, slots: int, rank: int, d_in: int, outs: list[int]
     return a, bs
 
 
+@pytest.mark.parametrize("packed", [False, True])  # the torch form's layout, the kernel's own
 @pytest.mark.parametrize(("row_slots", "present"), [
     ([1, -1, 0, 1, -1, 0, 1, -1, -1], [True, True, True]),   # slots a range, fillers, rows past the windows
     ([3, 0, 3, 0, 2, -1, 2, -1], [True, False, True]),      # slots with a gap, a module left out
     ([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [False, True, False]),  # one window, no filler
+    ([2, 0, 2, 1, 2, 0, 2, 1, 2], [True, True, True]),  # no row of no adapter: only packed windows fit
 ])
-def test_kernel_equals_the_torch_form(native: CpuLora, row_slots: list[int], present: list[bool]) -> None:
+def test_kernel_equals_the_torch_form(native: CpuLora, row_slots: list[int], present: list[bool],
+                                      packed: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    plan = plan_windows(row_slots)
-    assert plan is not None
+    plan = plan_windows(row_slots, packed)
+    if plan is None:
+        assert not packed
+        return
     windows = plan[1]
     rank, d_in, outs = 16, 72, [96, 24, 40]  # 72 and 40: column blocks and rows that are not multiples of 16
     a, bs = stacks(g, 4, rank, d_in, outs)
@@ -57,7 +62,7 @@ def test_kernel_equals_the_torch_form(native: CpuLora, row_slots: list[int], pre
     add_lora_windows(expected[:, 5:165], x, windows, a, slices, scaling)
     add_lora_windows(y, x, windows, a, slices, scaling, native)
     torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)  # sums in another order: ~1e-5 apart
-    adapter_rows = [k * windows.length + i for k, n in enumerate(windows.counts) for i in range(n)]
+    adapter_rows = [start + i for start, n in zip(windows.starts, windows.counts, strict=True) for i in range(n)]
     others = [t for t in range(len(row_slots)) if t not in adapter_rows]
     assert torch.equal(fused[others], expected[others])  # fillers and rows past the windows: bit for bit
     assert torch.equal(fused[:, :5], expected[:, :5]) and torch.equal(fused[:, 165:], expected[:, 165:])
@@ -70,10 +75,12 @@ def test_a_row_of_the_step_does_not_change_another_rows_result(native: CpuLora) 
     windows = LoraWindows([0, 1], [3, 2], 3)
     x = torch.randn(7, 32, generator=g)
     y1, y2 = torch.zeros(7, 48), torch.zeros(7, 48)
-    native.lora_windows(y1, x, a, [bs[0].transpose(1, 2)], [0], windows.slots, windows.counts, 3, torch.ones(2))
+    native.lora_windows(y1, x, a, [bs[0].transpose(1, 2)], [0], windows.slots, windows.starts, windows.counts, 3,
+                        torch.ones(2))
     x2 = x.clone()
     x2[[1, 4]] = float("nan")  # another row of the same window, a row of the other window
-    native.lora_windows(y2, x2, a, [bs[0].transpose(1, 2)], [0], windows.slots, windows.counts, 3, torch.ones(2))
+    native.lora_windows(y2, x2, a, [bs[0].transpose(1, 2)], [0], windows.slots, windows.starts, windows.counts, 3,
+                        torch.ones(2))
     assert torch.equal(y1[[0, 2, 3]], y2[[0, 2, 3]])
     assert torch.equal(y2[5:], torch.zeros(2, 48))  # the filler and the row past the windows
 
@@ -84,16 +91,17 @@ def test_operands_it_cannot_read_are_refused(native: CpuLora) -> None:
     b = bs[0].transpose(1, 2)
     x, y = torch.randn(4, 32, generator=g), torch.zeros(4, 48)
     with pytest.raises(RuntimeError, match="float32"):
-        native.lora_windows(y, x.double(), a, [b], [0], [0], [2], 2, torch.ones(2))
+        native.lora_windows(y, x.double(), a, [b], [0], [0], [0], [2], 2, torch.ones(2))
     with pytest.raises(RuntimeError, match="contiguous"):
-        native.lora_windows(y, x, a, [bs[0]], [0], [0], [2], 2, torch.ones(2))  # B not rank-major
+        native.lora_windows(y, x, a, [bs[0]], [0], [0], [0], [2], 2, torch.ones(2))  # B not rank-major
     with pytest.raises(RuntimeError, match="more rows"):
-        native.lora_windows(y, x, a, [b], [0], [0, 1], [2, 2], 3, torch.ones(2))
+        native.lora_windows(y, x, a, [b], [0], [0, 1], [0, 3], [2, 2], 2, torch.ones(2))
+    with pytest.raises(RuntimeError, match="apart"):
+        native.lora_windows(y, x, a, [b], [0], [0, 1], [0, 1], [2, 2], 2, torch.ones(2))
     with pytest.raises(RuntimeError, match="outside y"):
-        native.lora_windows(y, x, a, [b], [10], [0], [2], 2, torch.ones(2))
+        native.lora_windows(y, x, a, [b], [10], [0], [0], [2], 2, torch.ones(2))
     with pytest.raises(RuntimeError, match="bad window"):
-        native.lora_windows(y, x, a, [b], [0], [5], [2], 2, torch.ones(2))
-
+        native.lora_windows(y, x, a, [b], [0], [5], [0], [2], 2, torch.ones(2))
 
 def test_a_decode_step_over_the_stacks_equals_the_torch_form(native: CpuLora) -> None:
     """LoraBatch in windows over rank-major stacks, every fused projection of every layer: the kernel (the
@@ -107,8 +115,9 @@ def test_a_decode_step_over_the_stacks_equals_the_torch_form(native: CpuLora) ->
                                                                                           generator=g))
                    for layer in range(SMALL_CONFIG.num_hidden_layers) for m in targets}
         stacks.write(slot, LoraAdapter(f"a{slot}", Path("."), rank, 0.5 + slot, weights))
-    for row_slots in ([2, -1, 0, 2, 0, -1, -1], [3, 0, -1, 3, 0, -1]):
-        plan = plan_windows(row_slots)
+    for row_slots, packed in (([2, -1, 0, 2, 0, -1, -1], False), ([3, 0, -1, 3, 0, -1], False),
+                              ([3, 0, 3, 2, 0, 3, -1], True)):
+        plan = plan_windows(row_slots, packed)
         assert plan is not None
         for layer in range(SMALL_CONFIG.num_hidden_layers):
             for proj, modules in FUSED.items():

@@ -13,7 +13,7 @@ def test_plan_puts_each_slot_at_its_window_start_and_fills_gaps_with_base_rows()
     order, windows = plan_windows([2, -1, 0, 2, -1, 0, 0, -1]) or ([], None)
     assert windows is not None and (windows.slots, windows.counts, windows.length) == ([0, 2], [3, 2], 3)
     assert order == [2, 5, 6, 0, 3, 1, 4, 7]  # slot 0's rows, slot 2's and a filler, the base rows left
-    assert windows.num_rows == 6
+    assert windows.starts == [0, 3] and windows.even
 
 
 @pytest.mark.parametrize("row_slots", [[-1, -1], [0, 0, 0, 1], [1, 1, 1, 0, 2, -1]])
@@ -77,3 +77,25 @@ def test_a_broken_row_cannot_reach_a_filler_or_a_row_past_the_windows() -> None:
                      torch.ones(2))
     assert torch.equal(y[3:], before[3:])
     assert torch.isnan(y[0]).all() and not torch.isnan(y[1:]).any()
+
+
+def test_packed_windows_put_each_slot_right_after_the_previous_one() -> None:
+    order, windows = plan_windows([1, 0, 1, 1, 0, 2], packed=True) or ([], None)
+    assert windows is not None and (windows.slots, windows.counts, windows.starts) == ([0, 1, 2], [2, 3, 1], [0, 2, 5])
+    assert order == [1, 4, 0, 2, 3, 5] and not windows.even
+
+
+def test_packed_windows_in_torch_match_a_per_row_loop() -> None:
+    """The torch form of packed windows (the CPU kernel's layout, when the kernel cannot take the operands)."""
+    g = torch.Generator().manual_seed(3)
+    plan = plan_windows([1, 0, 1, 1, 0, -1, 2], packed=True)
+    assert plan is not None
+    order, windows = plan
+    laid_out = [[1, 0, 1, 1, 0, -1, 2][i] for i in order]
+    a, b = torch.randn(3, 4, 8, generator=g), torch.randn(3, 6, 4, generator=g)
+    x, y = torch.randn(7, 8, generator=g), torch.randn(7, 6, generator=g)
+    scaling = torch.tensor([1.0, 0.5, 2.0])
+    expected = reference(y, x, laid_out, a, b, scaling, 0, 6)
+    add_lora_windows(y, x, windows, a, [(b, 0, 6)], scaling)
+    torch.testing.assert_close(y, expected)
+    assert torch.equal(y[6], expected[6])  # the base row, last
