@@ -175,5 +175,7 @@ def test_a_cancel_is_seen_within_the_documented_bound_with_64_streams(engine: LL
         loop.stop()
     bound = max(CANCEL_MIN_INTERVAL_S, n / CANCEL_CHECKS_PER_S)
     print(f"cancel seen after (s), 64 streams: {', '.join(f'{t:.2f}' for t in latencies)}; bound {bound:.2f}")
-    assert max(latencies) < bound + 0.5, latencies
+    # + a sweep and a step, and the loop thread waiting for a core: CI's two test workers on a 2-core host once
+    # stretched one of five to bound + 0.72 s (a budget that stopped working would miss it by seconds)
+    assert max(latencies) < bound + 1.0, latencies
 
