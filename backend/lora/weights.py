@@ -50,7 +50,6 @@ class LoraStacks:
         self.proj_targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self.slices = {fused: _slices(shapes, parts) for fused, parts in FUSED.items()}
         self.num_layers = config.num_hidden_layers
-        self.covers_all = [False] * max_loras  # the slot's adapter targets every module of every layer
         # every module's slice of each fused projection, and (rank-major stacks) B as the CPU kernel reads it:
         # made once, so a decode step's calls pass them as they are
         self.full_slices: list[dict[str, list[LoraSlice | None]]] = [
@@ -65,6 +64,10 @@ class LoraStacks:
         """Device bytes the stacks take (all slots)."""
         return sum(t.nbytes for layer in (*self.a, *self.b) for t in layer.values())
 
+    def covers_all(self, slot: int) -> bool:
+        """Whether `slot`'s adapter targets every module of every layer."""
+        return len(self.targets[slot]) == self.num_layers * len(MODULES)
+
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy `adapter`'s weights into `slot` (zeros where it has none)."""
         self.clear(slot)
@@ -74,7 +77,6 @@ class LoraStacks:
         self.scaling[slot] = adapter.scaling
         self.targets[slot] = frozenset(adapter.weights)
         self.proj_targets[slot] = frozenset((layer, _PROJ_OF[module]) for layer, module in adapter.weights)
-        self.covers_all[slot] = len(adapter.weights) == self.num_layers * len(MODULES)
 
     def clear(self, slot: int) -> None:
         """Zero `slot`."""
@@ -84,7 +86,6 @@ class LoraStacks:
         self.scaling[slot] = 0.0
         self.targets[slot] = frozenset()
         self.proj_targets[slot] = frozenset()
-        self.covers_all[slot] = False
 
 
 def _slices(shapes: dict[str, tuple[int, int]], parts: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -149,7 +150,7 @@ class LoraBatch:
         stacks' own slices and B as they are, which spares a decode step's ~120 calls their Python work."""
         stacks = self.stacks
         if self._covers_all is None:
-            self._covers_all = all(stacks.covers_all[slot] for slot in windows.slots)
+            self._covers_all = all(stacks.covers_all(slot) for slot in windows.slots)
         if self._covers_all:
             add_lora_windows(y, x, windows, stacks.a_fused[layer][proj], stacks.full_slices[layer][proj],
                              stacks.scaling, self.native, stacks.b_rows[layer][proj] if stacks.b_rows else None)

@@ -35,18 +35,21 @@ class LoraWindows:
     counts: list[int]
     length: int  # the longest window
     starts: list[int] = field(default_factory=list)
+    _slot_index: torch.Tensor | None = field(default=None, repr=False)  # the device tensors, made once a step
+    _scale: torch.Tensor | None = field(default=None, repr=False)
+    _fillers: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.starts:
-            self.starts = [k * self.length for k in range(len(self.slots))]
+            self.starts = self._even_starts()
 
     @property
     def even(self) -> bool:
         """Whether window k starts at row k * length (the torch form's batch)."""
-        return self.starts == [k * self.length for k in range(len(self.slots))]
-    _slot_index: torch.Tensor | None = field(default=None, repr=False)  # the device tensors, made once a step
-    _scale: torch.Tensor | None = field(default=None, repr=False)
-    _fillers: torch.Tensor | None = field(default=None, repr=False)
+        return self.starts == self._even_starts()
+
+    def _even_starts(self) -> list[int]:
+        return [k * self.length for k in range(len(self.slots))]
 
     def stacked(self, weights: torch.Tensor) -> torch.Tensor:
         """`weights[slots]` of a slot-stacked weight: a view when the slots are a range, else a gather."""

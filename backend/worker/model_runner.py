@@ -152,9 +152,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.staging = staging
         self.graphs = graphs
-        # the windowed decode form's CPU kernel: fp32 on a CPU with the torch backend (built once per machine)
-        windowed = lora_stacks is not None and backend.name != "triton"
-        self.cpu_lora = load_cpu_lora() if windowed and device.type == "cpu" and dtype == torch.float32 else None
+        # the torch form lays eager decode rows out by adapter; its CPU kernel runs fp32 (built once per machine)
+        self.windowed_decode = lora_stacks is not None and backend.name != "triton"
+        self.cpu_lora = load_cpu_lora() if self.windowed_decode and device.type == "cpu" and dtype == torch.float32 \
+            else None
 
     def release(self, request_id: str) -> None:
         """Forget a finished or preempted request's block-table row."""
@@ -170,7 +171,7 @@ class ModelRunner:
         decode = [s for s in batch if s.num_new_tokens == 1]
         graphable = len(decode) == len(batch)  # with adapter rows: the bucket's LoRA graph
         bucket = self.graphs.bucket_for(len(decode)) if graphable else None
-        if self.lora_stacks is not None and bucket is None and self.backend.name != "triton":
+        if self.windowed_decode and bucket is None:
             decode = self._windowed(decode, host)
         for s in decode:  # decode rows: one token at position num_computed_tokens
             seq = s.seq

@@ -92,7 +92,7 @@ void lora_windows(torch::Tensor y, torch::Tensor x, torch::Tensor a, std::vector
           }
         }
       }
-      for (int64_t j = 0; j < modules; ++j) {  // expand: a [rank, 64] block of B per column block, reused by rows
+      for (int64_t j = 0; j < modules; ++j) {  // expand: a [rank, kColumnBlock] block of B, reused by the rows
         if (b_ptr[j] == nullptr) continue;
         const int64_t cols = b_cols[j];
         const float* b_slot = b_ptr[j] + slot * rank * cols;

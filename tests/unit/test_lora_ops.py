@@ -173,7 +173,7 @@ def test_lora_batch_over_the_stacks_matches_each_adapter_per_row(b_rank_major: b
                 random_adapter("o", 8, ("o_proj",), 1.0, 2)]
     for slot, adapter in zip((0, 1, 3), adapters, strict=True):
         stacks.write(slot, adapter)
-    assert stacks.covers_all == [False, True, False, False]
+    assert [stacks.covers_all(slot) for slot in range(4)] == [False, True, False, False]
     assert stacks.a[0]["k_proj"].data_ptr() == stacks.a_fused[0]["qkv_proj"][:, 16:].data_ptr()  # a view
     plan = plan_windows(token_slots)
     assert plan is not None
