@@ -264,7 +264,6 @@ class EngineLoop:
                 self._calls.clear()
             for call in calls:
                 self._run_call(call)
-            self.engine.worker.faults.check_loop(job.prompt for job in self._admitting)
             self._admit()
             self._abort_requested()
             if self.engine.has_unfinished_requests():

@@ -39,6 +39,7 @@ from tritium.backend.serving.metrics import EngineMetrics
 from tritium.backend.serving.request import EngineRequest
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.serving.triton_sink import TritonSink, parse_or_reject
+from tritium.backend.testing.faults import install_from_env as install_faults_from_env
 
 R = TypeVar("R", bound=EngineRequest)
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class EngineModel(ABC, Generic[R]):
         # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
         config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
         self.engine = LLMEngine(config, served=True)  # leaves cores to the server's threads on a CPU
+        install_faults_from_env(self.engine)
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], self.engine)
         self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval,
                                settings.max_stream_interval)

@@ -1,16 +1,22 @@
-"""Test-only faults, off unless their environment variable is set (never in production):
+"""Test-only faults, installed on an engine only when asked (`FaultInjector.from_env()` is None unless one of
+the variables is set): nothing of them runs in production.
 
 - $TRITIUM_TEST_FAULT_MARKER: a model step whose batch holds a prompt containing that text raises, as a
   crashing kernel would (only that step's requests fail).
-- $TRITIUM_TEST_LOOP_FAULT_MARKER: admitting a request whose prompt contains that text makes the engine
-  loop itself fail, as a bug in the scheduler would (the engine stops serving).
+- $TRITIUM_TEST_LOOP_FAULT_MARKER: a step while a request whose prompt contains that text is in the engine
+  raises out of `LLMEngine.step`, as a bug in the scheduler would (the serving loop stops serving).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tritium.backend.engine import LLMEngine
 
 FAULT_MARKER_ENV = "TRITIUM_TEST_FAULT_MARKER"
 LOOP_FAULT_MARKER_ENV = "TRITIUM_TEST_LOOP_FAULT_MARKER"
@@ -21,26 +27,45 @@ class InjectedFault(RuntimeError):
     pass
 
 
+def _carries(marker: str, prompts: Iterable[str | None]) -> bool:
+    return any(marker in (p or "") for p in prompts)
+
+
+@dataclass(frozen=True)
 class FaultInjector:
-    def __init__(self, marker: str | None, loop_marker: str | None = None) -> None:
-        self.marker = marker or None
-        self.loop_marker = loop_marker or None
-        if self.marker:
-            logger.warning("fault injection is on: steps with a prompt containing %r will fail", self.marker)
-        if self.loop_marker:
-            logger.warning("fault injection is on: a prompt containing %r stops the engine", self.loop_marker)
+    marker: str | None = None  # fails a model step
+    loop_marker: str | None = None  # fails the engine's step itself
 
     @classmethod
-    def from_env(cls) -> FaultInjector:
-        """The faults the environment asks for (none when neither variable is set)."""
-        return cls(os.environ.get(FAULT_MARKER_ENV), os.environ.get(LOOP_FAULT_MARKER_ENV))
+    def from_env(cls) -> FaultInjector | None:
+        """The faults the environment asks for; None when neither variable is set."""
+        marker, loop_marker = os.environ.get(FAULT_MARKER_ENV) or None, os.environ.get(LOOP_FAULT_MARKER_ENV) or None
+        return cls(marker, loop_marker) if marker or loop_marker else None
 
-    def check(self, prompts: Iterable[str | None]) -> None:
-        """Raises InjectedFault when one of a step's prompts carries the step marker."""
-        if self.marker and any(self.marker in (p or "") for p in prompts):
-            raise InjectedFault(f"injected fault (${FAULT_MARKER_ENV})")
+    def install(self, engine: LLMEngine) -> None:
+        """Wrap `engine`'s model step and engine step with the checks for the markers set."""
+        if self.marker:
+            logger.warning("fault injection is on: steps with a prompt containing %r will fail", self.marker)
+            engine.worker.forward = self._guard(  # type: ignore[method-assign]
+                engine.worker.forward, self.marker, FAULT_MARKER_ENV,
+                                                lambda batch, *_: (s.seq.prompt for s in batch.scheduled))
+        if self.loop_marker:
+            logger.warning("fault injection is on: a prompt containing %r stops the engine", self.loop_marker)
+            engine.step = self._guard(engine.step, self.loop_marker, LOOP_FAULT_MARKER_ENV,  # type: ignore[method-assign]
+                                      lambda: (s.prompt for s in engine.requests.values()))
 
-    def check_loop(self, prompts: Iterable[str | None]) -> None:
-        """Raises InjectedFault when one of the prompts being admitted carries the loop marker."""
-        if self.loop_marker and any(self.loop_marker in (p or "") for p in prompts):
-            raise InjectedFault(f"injected engine loop fault (${LOOP_FAULT_MARKER_ENV})")
+    @staticmethod
+    def _guard(call: Callable[..., Any], marker: str, env: str,
+               prompts: Callable[..., Iterable[str | None]]) -> Callable[..., Any]:
+        def guarded(*args: Any) -> Any:
+            if _carries(marker, prompts(*args)):
+                raise InjectedFault(f"injected fault (${env})")
+            return call(*args)
+        return guarded
+
+
+def install_from_env(engine: LLMEngine) -> None:
+    """Install the faults the environment asks for, if any (the served models call this once at start)."""
+    faults = FaultInjector.from_env()
+    if faults is not None:
+        faults.install(engine)

@@ -30,7 +30,6 @@ from tritium.backend.spec.draft_model import draft_footprint
 from tritium.backend.spec.verify import Verified, accept_runs, position_views
 from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.decoding import StructuredDecoding
-from tritium.backend.testing.faults import FaultInjector
 from tritium.backend.worker.attention import get_attention_backend, resolve_backend_name
 from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets, use_decode_graphs
 from tritium.backend.worker.device import set_up_device, use_device
@@ -109,7 +108,6 @@ class Worker:
                                   self.max_model_len, self.staging, self.graphs, self.lora_stacks)
         self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=self.device)
         self.structured = StructuredDecoding(grammars, self.device, rows)  # a mask per verified position too
-        self.faults = FaultInjector.from_env()  # test-only: `check` per step here, `check_loop` in the serving loop
         self.warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
 
     def add_request(self, request_id: str, params: SamplingParams, matcher: llguidance.LLMatcher | None) -> None:
@@ -137,7 +135,7 @@ class Worker:
         rows = position_views(batch.sampling, batch.drafts) if speculating else batch.sampling
         pending_masks = self.structured.start(batch.sampling, batch.drafts if speculating else None)
         try:
-            logits, settings = self._forward(batch, rows)
+            logits, settings = self.forward(batch, rows)
         except Exception:
             logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
             self.structured.wait(pending_masks)  # the mask thread must be done with its buffer before the next step
@@ -153,11 +151,10 @@ class Worker:
         result.accepted, result.accepted_logprobs = verified.accepted, verified.accepted_logprobs
         return result
 
-    def _forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
+    def forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
         """Stage the runner's inputs and the random rows' settings (`rows`: the sampler's rows, a speculating
         sequence's verified positions included), upload them in one copy and run the forward pass: the sampling
         rows' logits and those settings on the device."""
-        self.faults.check(s.seq.prompt for s in batch.scheduled)
         self.staging.begin()
         step = self.runner.prepare(batch.scheduled)
         staged = stage_row_settings(self.staging, rows)

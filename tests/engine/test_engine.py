@@ -156,7 +156,7 @@ def test_model_failure_fails_only_that_step(tiny: LLM, monkeypatch: pytest.Monke
 
 def test_injected_fault_fails_only_the_requests_of_that_step(tiny: LLM) -> None:
     engine = tiny.engine
-    engine.worker.faults = FaultInjector("<<poison>>")
+    FaultInjector("<<poison>>").install(engine)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     engine.add_request("running", "Once upon a time", greedy)
     engine.step()

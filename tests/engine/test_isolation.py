@@ -249,7 +249,7 @@ def test_admission_control_refuses_at_once_beyond_max_pending(loop_engine: LLMEn
 
 def test_a_failed_engine_loop_answers_everything_at_once(tiny_llama_path: Path) -> None:
     engine = LLM(str(tiny_llama_path), kv_cache_bytes=16 << 20).engine  # its state is given up with it
-    engine.worker.faults = FaultInjector(None, loop_marker="<<die>>")
+    FaultInjector(None, loop_marker="<<die>>").install(engine)
     loop = EngineLoop(engine)
     loop.start()
     try:
@@ -312,7 +312,7 @@ def test_after_an_engine_failure_every_request_is_answered_within_a_second_and_t
     from tritium.backend.serving.metrics import FLUSH_INTERVAL_S, EngineMetrics
 
     engine = LLM(str(tiny_llama_path), kv_cache_bytes=16 << 20, max_num_seqs=2).engine
-    engine.worker.faults = FaultInjector(None, loop_marker="<<die>>")
+    FaultInjector(None, loop_marker="<<die>>").install(engine)
     release = threading.Event()
     real_tokenize, real_compile = engine.tokenize, engine.grammars.submit
     # Stalls that hold a request in the tokenizer thread and another in a compile when the engine fails.
