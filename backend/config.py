@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-from tritium.backend.core.waiting_queue import SCHEDULING_POLICIES
-from tritium.backend.models.quantization import check_quantization, check_quantization_device
-from tritium.backend.spec.config import SpeculativeConfig
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -21,6 +18,86 @@ DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 128 << 10
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 << 20
 MAX_LORA_LIMIT = 256  # the bound of max_loras and max_lora_rank
 DEFAULT_PRIORITY_AGING_S = 10.0
+SCHEDULING_POLICIES = ("fcfs", "priority")  # core/waiting_queue.py
+QUANTIZATIONS = ("int8", "int4")  # weight-only schemes (models/quantization.py)
+CPU_ONLY_QUANTIZATIONS = ("int4",)
+
+
+def check_quantization(value: object) -> None:
+    """Raise ValueError naming the field and the allowed values unless `value` is None or a known scheme."""
+    if value is not None and value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} (or null: none), got {value!r}; "
+                         "other schemes are not implemented")
+
+
+def check_quantization_device(value: str | None, device: torch.device) -> None:
+    """Raise ValueError naming the scheme and the device when `value` cannot run on `device` (int4 off a CPU)."""
+    if value in CPU_ONLY_QUANTIZATIONS and device.type != "cpu":
+        raise ValueError(f"quantization {value!r} is implemented for CPUs only (the device is {device.type}); "
+                         "'int8' is the weight-only scheme on CUDA")
+
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+KNOWN_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"})
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Validated speculation settings: `method`, the most draft tokens per step `num_speculative_tokens` and
+    the n-gram sizes prompt lookup tries (longest first)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    model: str | None = None  # the draft model's folder (method "draft_model")
+
+    @classmethod
+    def parse(cls, raw: Any) -> SpeculativeConfig | None:
+        """The config `raw` describes (a dict as in model.json, or a SpeculativeConfig); None for None.
+        Raises ValueError naming the field and the rule."""
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be an object like {{\"method\": \"ngram\", "
+                             f"\"num_speculative_tokens\": 3}}, got {raw!r}")
+        unknown = sorted(set(raw) - KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(KNOWN_KEYS))}")
+        method = raw.get("method", "ngram")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+        k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        if method == "draft_model":
+            model = raw.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config.model must name the draft model's folder (method "
+                                 f"'draft_model'), got {model!r}")
+            return cls(method, k, model=model)
+        if "model" in raw:
+            raise ValueError("speculative_config.model is for method 'draft_model' only")
+        low_given, high_given = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        if low_given is None and high_given is None:
+            low_given, high_given = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
+        # One of them alone sets both, as in vLLM.
+        low = _int({"prompt_lookup_min": high_given if low_given is None else low_given}, "prompt_lookup_min",
+                   None, 1, 64)
+        high = _int({"prompt_lookup_max": low_given if high_given is None else high_given}, "prompt_lookup_max",
+                    None, 1, 64)
+        if low > high:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        return cls(method, k, low, high)
+
+
+def _int(raw: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int:
+    value = raw.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 
 @dataclass
@@ -61,7 +138,7 @@ class EngineConfig:
     # (worker/threads.py). Not used on CUDA.
     num_threads: int | None = None
     # Weight-only quantization of every linear layer and the logits head at load: "int8" (per output channel,
-    # symmetric; models/quantization.py), "int4" (CPU only: groups of 32, asymmetric; models/int4.py) or None (the
+    # symmetric; layers/int8_linear.py), "int4" (CPU only: groups of 32, asymmetric; layers/int4_linear.py) or None (the
     # weights stay in `dtype`).
     quantization: str | None = None
     # LoRA adapters (backend/lora/): off unless enable_lora. max_loras adapters are resident on the device at

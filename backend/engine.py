@@ -9,23 +9,21 @@ from itertools import count
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tritium.backend.config import EngineConfig
+from tritium.backend.config import EngineConfig, SpeculativeConfig
+from tritium.backend.core.batch import SchedulerOutput
 from tritium.backend.core.block_manager import BlockManager
-from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
+from tritium.backend.core.scheduler import Scheduler
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.core.stop_checker import StopChecker
 from tritium.backend.lora.manager import LoraManager
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.output_processor import OutputProcessor
-from tritium.backend.outputs import RequestOutput
+from tritium.backend.outputs import RequestOutput, SpecDecodingStats
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.spec.config import SpeculativeConfig
-from tritium.backend.spec.draft_model import DraftModel
-from tritium.backend.spec.speculator import Speculator
 from tritium.backend.structured_output.compiler import CompileCallback, GrammarCompiler
 from tritium.backend.tokenizer import Tokenizer
-from tritium.backend.worker.worker import StepResult, Worker
+from tritium.backend.worker.worker import StepResult, Worker, WorkerInfo
 
 if TYPE_CHECKING:
     import llguidance
@@ -34,6 +32,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 MODEL_STEP_FAILED = "the model step failed"
+
+
+@dataclass
+class SpecTotals:
+    """Speculative decoding over all requests (Prometheus counters): verification steps that verified drafts,
+    the draft tokens they verified and accepted, and drafts a grammar cut before verification."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_refused_tokens: int = 0
 
 
 @dataclass
@@ -76,39 +85,42 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, checkpoint.eos_token_ids,
                                         cache_bytes=config.grammar_cache_bytes)
         self.worker = Worker(config, self.model_path, self.grammars, served)
-        self.device, self.dtype = self.worker.device, self.worker.dtype
-        self.model_config = self.worker.model_config
-        self.max_model_len = self.worker.max_model_len
+        info = self.worker_info
+        self.device, self.dtype = info.device, info.dtype
+        self.model_config = info.model_config
+        self.max_model_len = info.max_model_len
         self.eos_token_ids = list(self.model_config.eos_token_ids)
-        self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
-        stacks = self.worker.lora_stacks
-        self.lora = LoraManager(stacks, self.model_config, self.dtype) if stacks is not None else None
+        self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.lora = LoraManager(info.lora_stacks, self.model_config, self.dtype) \
+            if info.lora_stacks is not None else None
         for name, folder in (config.lora_modules or {}).items():
             self.load_lora(name, folder)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        # None: speculation is off
+        self.spec_totals = SpecTotals() if spec is not None else None
+        # A draft model writes its KV at the positions it drafts at: those need blocks before it runs.
+        lookahead = spec.num_speculative_tokens if spec is not None and spec.model is not None else 0
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             StopChecker(self.eos_token_ids), self.lora, config.scheduling_policy, config.priority_aging_s,
+            num_lookahead_tokens=lookahead, max_model_len=self.max_model_len,
         )
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        drafter = None
-        if spec is not None and spec.model is not None:  # method "draft_model"
-            w = self.worker
-            drafter = DraftModel(spec.model, self.model_path, self.model_config, w.dtype, w.device,
-                                 self.max_model_len, w.num_blocks, config.block_size, w.runner.backend)
-        self.speculator = Speculator(spec, self.max_model_len, drafter, self.worker.structured.draft_prefix) \
-            if spec is not None else None
-        self.scheduler.speculator = self.speculator
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = count()
         self._pending: list[RequestOutput] = []
-        graphs = self.worker.graphs.buckets
+        graphs = info.graph_buckets
         logger.info(
             "tritium engine: %s, %s on %s, %s attention, %d KV blocks of %d tokens, %s; warm-up %.2f s",
-            self.model_path, self.dtype, self.device, self.worker.runner.backend.name, self.worker.num_blocks,
-            config.block_size, f"decode graphs for batch sizes {graphs}" if graphs else "eager", self.worker.warm_up_s,
+            self.model_path, self.dtype, self.device, info.attention_backend, info.num_blocks,
+            config.block_size, f"decode graphs for batch sizes {graphs}" if graphs else "eager", info.warm_up_s,
         )
+
+    @property
+    def worker_info(self) -> WorkerInfo:
+        """The device, model and KV cache the worker set up."""
+        return self.worker.info
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -149,8 +161,8 @@ class LLMEngine:
         if adapter is not None:
             assert self.lora is not None
             self.lora.retain(adapter)
-        if self.speculator is not None:
-            seq.spec = self.speculator.new_state(params)
+        if self.spec_totals is not None:
+            seq.spec = SpecDecodingStats()
         self.outputs.add(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -283,8 +295,23 @@ class LLMEngine:
             for s in batch.scheduled:
                 self._end(s.seq, "error")
             return [self.outputs.error_output(s.seq, MODEL_STEP_FAILED) for s in batch.scheduled]
-        appended = self.scheduler.update(batch, result.token_ids, result.accepted or None)
+        if self.spec_totals is not None:
+            self._count_drafts(batch, result)
+        appended = self.scheduler.update(batch, result.token_ids, result.accepted or None, result.drafts or None)
         return [self._process(seq, result, row, appended[row]) for row, seq in enumerate(batch.sampling)]
+
+    def _count_drafts(self, batch: SchedulerOutput, result: StepResult) -> None:
+        """Each speculating sequence's verification, in its figures and the engine's totals."""
+        totals = self.spec_totals
+        assert totals is not None
+        totals.num_refused_tokens += result.refused_drafts
+        for row, (seq, draft) in enumerate(zip(batch.sampling, batch.drafts, strict=True)):
+            if draft and seq.spec is not None and result.token_ids[row] is not None:
+                accepted = len(result.accepted[row])
+                seq.spec.record(len(draft), accepted)
+                totals.num_drafts += 1
+                totals.num_draft_tokens += len(draft)
+                totals.num_accepted_tokens += accepted
 
     def _process(self, seq: Sequence, result: StepResult, row: int, appended: int = 1) -> RequestOutput:
         """The output of a sequence that sampled (the scheduler already appended its `appended` tokens: a
@@ -298,7 +325,7 @@ class LLMEngine:
                     self._end(seq, "stop")  # a stop string, the grammar's end, or the scheduler's stop (its reason)
                 out = self.outputs.output(seq)
                 if out.finished and seq.spec is not None:
-                    out.spec_decoding = seq.spec.stats
+                    out.spec_decoding = seq.spec
                 return out
             except Exception:
                 logger.exception("processing the output of %s failed", seq.request_id)

@@ -4,7 +4,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tritium.backend.spec.acceptance import SpecDecodingStats
+
+@dataclass
+class SpecDecodingStats:
+    """One request's speculative decoding, named as vLLM's per-request metrics and AIPerf's record:
+    verification steps, draft tokens proposed and accepted, and how many steps accepted n drafts."""
+
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step, the bonus or correction token included (1.0 with no steps)."""
+        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 1.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0.0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """The figures as plain JSON-ready values (derived ones included)."""
+        return {"num_spec_steps": self.num_spec_steps, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "draft_acceptance_rate": self.draft_acceptance_rate,
+                "acceptance_histogram": dict(sorted(self.acceptance_histogram.items()))}
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Count one verification step of `drafted` tokens of which the first `accepted` were kept."""
+        self.num_spec_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.acceptance_histogram[accepted] = self.acceptance_histogram.get(accepted, 0) + 1
 
 
 @dataclass

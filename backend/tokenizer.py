@@ -14,7 +14,7 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from tritium.backend.models.config import ModelFolderError
+from tritium.backend.model_config import ModelFolderError
 
 GIL_FREE_ENCODE_CHARS = 4096
 TOKENIZER_NICE = 10  # serving tokenizes at this nice value: big prompts must not stall running streams

@@ -1,4 +1,4 @@
-"""W8A16 GEMM for int8 weight-only quantization (backend/models/quantization.py): `a @ (q * scale[:, None]).T`.
+"""W8A16 GEMM for int8 weight-only quantization (backend/layers/int8_linear.py): `a @ (q * scale[:, None]).T`.
 
 `a` `[M, K]` in bf16/fp16 (fp32 also runs), `q` int8 `[N, K]` (one row per output channel), `scale` fp32
 `[N]`; the output is `[M, N]` in a's dtype. A program computes a BLOCK_M x BLOCK_N tile: it walks K in

@@ -54,7 +54,7 @@ class KernelOps(Protocol):
 
     def int8_gemm(self, a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """W8A16: `a` `[M, K]` @ `(q int8 [N, K] * scale fp32 [N, None]).T` -> `[M, N]` in a's dtype, fp32
-        accumulation (int8 weight-only quantization, backend/models/quantization.py)."""
+        accumulation (int8 weight-only quantization, backend/layers/int8_linear.py)."""
         ...
 
     def lora_shrink(self, x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, token_indices: torch.Tensor,

@@ -110,10 +110,10 @@ class BlockManager:
                 self.hashes[block] = h
                 self.cached[h] = block
 
-    def trim(self, seq: Sequence) -> None:
-        """Drop `seq`'s blocks wholly beyond its tokens (those a verification step's rejected drafts took). The
-        table becomes a new list, so the device row rewrites itself (block_tables.py)."""
-        keep = self.blocks_needed(seq.num_tokens)
+    def trim(self, seq: Sequence, extra: int = 0) -> None:
+        """Drop `seq`'s blocks wholly beyond its tokens and `extra` positions after them (those a verification
+        step's rejected drafts took). The table becomes a new list, so the device row rewrites itself."""
+        keep = self.blocks_needed(seq.num_tokens + extra)
         if len(seq.block_table) <= keep:
             return
         for block in reversed(seq.block_table[keep:]):

@@ -23,39 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from tritium.backend.core.batch import ScheduledSequence, SchedulerOutput
 from tritium.backend.core.block_manager import BlockManager
 from tritium.backend.core.sequence import Sequence, SequenceStatus
 from tritium.backend.core.stop_checker import StopChecker
 from tritium.backend.core.waiting_queue import make_waiting_queue, outranks, priority_key
 from tritium.backend.lora.manager import LoraManager
-from tritium.backend.spec.speculator import Speculator
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int  # its drafts included
-    draft: list[int] = field(default_factory=list)  # speculative tokens run after its last token (backend/spec/)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    sampling: list[Sequence] = field(default_factory=list)  # the scheduled sequences that sample a token
-    drafts: list[list[int]] = field(default_factory=list)  # aligned with `sampling`: each one's draft tokens
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens this step runs through the model."""
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -70,6 +44,8 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         priority_aging_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.blocks = block_manager
         self.stop_checker = stop_checker or StopChecker([])
@@ -77,7 +53,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.lora = lora
-        self.speculator: Speculator | None = None  # speculative decoding (backend/spec/): the engine sets it
+        # A speculating sequence that samples also gets blocks for this many positions beyond its step (a draft
+        # model writes its KV there while it drafts, after sampling), within max_model_len.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.waiting = make_waiting_queue(scheduling_policy, priority_aging_s)
         self.by_priority = scheduling_policy == "priority"
         self.priority_aging_s = priority_aging_s
@@ -104,10 +83,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            draft = self._draft(seq, num_new, budget)
+            draft = self._take_draft(seq, num_new, budget)
             num_new += len(draft)
             if self._allocate_or_preempt(i, num_new, out):
-                out.scheduled.append(ScheduledSequence(seq, num_new, draft))
+                self._schedule(out, ScheduledSequence(seq, num_new, draft))
                 budget -= num_new
                 i += 1
             # else `seq` itself was preempted: running[i] is now the sequence after it
@@ -140,7 +119,7 @@ class Scheduler:
             self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            self._schedule(out, ScheduledSequence(seq, num_new))
             budget -= num_new
         self.waiting.push_front(no_slot)
         return self._with_sampling(out)
@@ -216,21 +195,32 @@ class Scheduler:
         out.drafts = [s.draft for s in out.scheduled if s.samples]
         return out
 
-    def _draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
-        """Draft tokens for a running sequence that decodes this step (one new token), with blocks allocated for
-        them; [] when it does not speculate now or its drafts find no blocks (it then decodes plainly)."""
-        if self.speculator is None or num_new != 1 or seq.spec is None:
+    def _take_draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """The drafts the worker proposed for `seq` after its last step, when it decodes one token now: as many as
+        the step's budget leaves, with blocks for them ([]: none, or no blocks: it then decodes plainly)."""
+        draft, seq.draft_tokens = seq.draft_tokens[: budget - 1], []
+        if num_new != 1 or not draft or not self.blocks.allocate(seq, 1 + len(draft)):
             return []
-        return self.speculator.propose(seq, budget - 1, lambda n: self.blocks.allocate(seq, n))
+        return draft
 
-    def update(self, out: SchedulerOutput, tokens: list[int | None],
-               accepted: list[list[int]] | None = None) -> list[int]:
+    def _schedule(self, out: SchedulerOutput, s: ScheduledSequence) -> None:
+        """Add `s` to the step; a speculating sequence that samples gets its lookahead blocks when they are free."""
+        out.scheduled.append(s)
+        seq = s.seq
+        if self.num_lookahead_tokens and seq.spec is not None and s.samples:
+            end = seq.num_computed_tokens + s.num_new_tokens
+            room = self.max_model_len - end if self.max_model_len is not None else self.num_lookahead_tokens
+            self.blocks.allocate(seq, s.num_new_tokens + max(0, min(self.num_lookahead_tokens, room)))
+
+    def update(self, out: SchedulerOutput, tokens: list[int | None], accepted: list[list[int]] | None = None,
+               drafts: list[list[int]] | None = None) -> list[int]:
         """After the forward pass of `out`: count the computed tokens and commit the blocks they filled;
         append each sampled token (`tokens` is aligned with `out.sampling`; None: that sequence got no
         token, the engine ends it), after the drafts verification kept (`accepted`, aligned too; None: no
         sequence speculated), one at a time through the stop checker (a stop cuts the run there), and finish
-        the sequences it stops. A speculating sequence's rejected drafts are not computed tokens, and blocks
-        wholly beyond its tokens are freed. Returns how many tokens each sampling sequence got."""
+        the sequences it stops. A speculating sequence's rejected drafts are not computed tokens; it keeps the
+        drafts the worker proposed for its next step (`drafts`, aligned too) and the blocks they need, and
+        blocks wholly beyond them are freed. Returns how many tokens each sampling sequence got."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft)  # drafts count once accepted
             self.blocks.commit_full_blocks(s.seq)
@@ -240,9 +230,6 @@ class Scheduler:
                 appended.append(0)
                 continue
             kept = accepted[row] if accepted is not None else []
-            draft = out.drafts[row] if out.drafts else []
-            if draft and self.speculator is not None:
-                self.speculator.record(seq, len(draft), len(kept))
             n = 0
             for t in (*kept, token):
                 seq.token_ids.append(t)
@@ -254,7 +241,8 @@ class Scheduler:
             appended.append(n)
             if seq.spec is not None and not seq.finished:
                 seq.num_computed_tokens += len(kept)
-                self.blocks.trim(seq)  # blocks the rejected drafts took (or drafts that never came) go back
+                seq.draft_tokens = drafts[row] if drafts is not None else []
+                self.blocks.trim(seq, len(seq.draft_tokens))  # what rejected drafts or unused lookahead took
                 self.blocks.commit_full_blocks(seq)
         return appended
 
@@ -276,6 +264,7 @@ class Scheduler:
             seq.lora_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_tokens = []
         self.blocks.free_sequence(seq)
         self._release_adapter(seq)
         seq.status = SequenceStatus.WAITING

@@ -6,11 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tritium.backend.outputs import SpecDecodingStats
 from tritium.backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tritium.backend.lora.adapter import LoraAdapter
-    from tritium.backend.spec.acceptance import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +41,8 @@ class Sequence:
     num_preemptions: int = 0
     lora: LoraAdapter | None = None
     lora_slot: int = -1
-    spec: SpecState | None = None  # speculative decoding's draft length and figures (None: it never speculates)
+    spec: SpecDecodingStats | None = None  # a speculating request's figures (None: it never speculates)
+    draft_tokens: list[int] = field(default_factory=list)  # the worker's drafts for its next step
     priority: int = 0  # lower runs first under the "priority" scheduling policy (waiting_queue.py)
     arrival_time: float = 0.0  # the scheduler's clock when it was queued (its priority ages from then)
 

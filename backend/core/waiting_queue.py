@@ -16,9 +16,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+from tritium.backend.config import SCHEDULING_POLICIES
 from tritium.backend.core.sequence import Sequence
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def priority_key(seq: Sequence, aging_s: float) -> tuple[float, int]:

@@ -16,7 +16,7 @@ import torch
 
 from tritium.backend.lora.adapter import LoraAdapter, load_adapter
 from tritium.backend.lora.weights import LoraStacks
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 
 
 class LoraManager:

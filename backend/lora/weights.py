@@ -10,7 +10,7 @@ import torch
 from tritium.backend.lora.adapter import MODULES, LoraAdapter, module_shapes
 from tritium.backend.lora.ops import LoraGroups, LoraSlice, Segment, add_lora_fused, add_lora_rows
 from tritium.backend.lora.windows import LoraWindows, add_lora_windows
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.kernels.cpu_lora import CpuLora
 from tritium.kernels.interface import KernelOps
 

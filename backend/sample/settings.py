@@ -2,9 +2,9 @@
 
 ROW_SETTINGS declares each setting once: how it is read from a request's SamplingParams, whether it is a
 float or an int, and when a row uses it (a setting no row of a step uses skips its logits op). Everything
-else follows from that table: the host lists, their places in the staging buffer (`stage_row_settings`),
-the device views (`RowSettings`) and the staging capacity they need (`row_settings_slots`). A new setting is a
-new entry here and its op in logits_ops.py.
+else follows from that table: the host lists (`HostRowSettings`, which the worker stages with the step's
+inputs), the device views (`RowSettings`) and the staging capacity they need (`row_settings_slots`). A new
+setting is a new entry here and its op in logits_ops.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.worker.staging import StagingBuffer
 
 INT32_MAX = 2**31 - 1
 Value = int | float
@@ -31,10 +30,6 @@ class RowSetting:
     is_float: bool
     read: Callable[[SamplingParams], Value]
     used: Callable[[Value], bool]
-
-    def stage(self, staging: StagingBuffer, values: list[Value]) -> slice:
-        """Put this setting's `values` into `staging`; returns where they went."""
-        return staging.put_floats(values) if self.is_float else staging.put([int(v) for v in values])
 
 
 ROW_SETTINGS: tuple[RowSetting, ...] = (
@@ -88,31 +83,6 @@ class HostRowSettings:
     def used(self) -> frozenset[str]:
         """The settings at least one row uses."""
         return frozenset(s.name for s in ROW_SETTINGS if any(s.used(v) for v in self.values[s.name]))
-
-
-@dataclass
-class StagedRowSettings:
-    """Where `stage_row_settings` put the settings in the staging buffer (device views exist after upload)."""
-
-    rows: list[int]
-    index: slice
-    where: dict[str, slice]
-    used: frozenset[str]
-
-    def tensors(self, staging: StagingBuffer) -> RowSettings:
-        """The device views of the staged settings; valid once `staging` was uploaded."""
-        views = {s.name: (staging.floats if s.is_float else staging.ints)(self.where[s.name]) for s in ROW_SETTINGS}
-        return RowSettings(self.rows, staging.ints(self.index), views, self.used)
-
-
-def stage_row_settings(staging: StagingBuffer, seqs: list[Sequence]) -> StagedRowSettings | None:
-    """Put the random rows' settings into this step's staging buffer; None when every row is greedy."""
-    host = HostRowSettings.of(seqs)
-    if not host.rows:
-        return None
-    index = staging.put(host.rows)
-    where = {s.name: s.stage(staging, host.values[s.name]) for s in ROW_SETTINGS}
-    return StagedRowSettings(host.rows, index, where, host.used)
 
 
 def row_settings_on(device: torch.device, seqs: list[Sequence]) -> RowSettings | None:

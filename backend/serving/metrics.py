@@ -160,8 +160,7 @@ class EngineMetrics:
         if blocks.prefix_queried_tokens > self._seen_queries:
             self.prefix_queries.increment(blocks.prefix_queried_tokens - self._seen_queries)
             self._seen_queries = blocks.prefix_queried_tokens
-        if engine.speculator is not None:
-            s = engine.speculator
+        if (s := engine.spec_totals) is not None:
             spec = s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
             for metric, now_, seen in zip((self.spec_steps, self.spec_drafts, self.spec_accepted), spec,
                                           self._seen_spec, strict=True):

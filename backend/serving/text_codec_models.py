@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.backend.serving.request import decode_text, scalar
 from tritium.backend.serving.settings import load_settings

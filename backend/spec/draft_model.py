@@ -1,10 +1,11 @@
 """A smaller model with the same tokenizer as drafter (`{"method": "draft_model", "model": folder}`).
 
 It has its own KV cache tensors, indexed by the target's block tables: the same token positions use the same
-slots, so it needs no block manager. Per speculating sequence and step it first catches up on the tokens it
-has not run yet (the prompt at first, then what verification accepted: one prefill chunk), then proposes k
-tokens greedily, one small forward pass each. Greedy drafts are deterministic given the tokens, which keeps
-verification exact (verify.py). The draft runs per sequence, eagerly.
+slots, so it needs no block manager (the scheduler keeps lookahead blocks for the positions it drafts at). Per
+speculating sequence and step it first catches up on the tokens it has not run yet (the prompt at first, then
+what verification accepted: one prefill chunk), then proposes k tokens greedily, one small forward pass each.
+Greedy drafts are deterministic given the tokens, which keeps verification exact (verify.py). The draft runs per
+sequence, eagerly.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from pathlib import Path
 
 import torch
 
-from tritium.backend.core.sequence import Sequence
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.model_config import ModelConfig
 from tritium.backend.models.loader import checkpoint_numel, load_model
 from tritium.backend.models.registry import resolve_model
-from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
-from tritium.backend.worker.kv_sizing import kv_bytes_per_block
 
 
 def tokenizer_digest(folder: Path) -> str | None:
@@ -32,7 +31,7 @@ def draft_footprint(folder: str, dtype: torch.dtype, block_size: int) -> tuple[i
     """(weight bytes, KV bytes per block) the draft model in `folder` will take in `dtype`: what the target's
     memory plan must leave for it (its cache has as many blocks as the target's)."""
     path = resolve_model(folder)
-    return checkpoint_numel(path) * dtype.itemsize, kv_bytes_per_block(ModelConfig.from_folder(path), block_size, dtype)
+    return checkpoint_numel(path) * dtype.itemsize, ModelConfig.from_folder(path).kv_bytes_per_block(block_size, dtype)
 
 
 class DraftModel:
@@ -50,33 +49,47 @@ class DraftModel:
         if tokenizer_digest(path) != tokenizer_digest(target_path):
             raise ValueError(f"speculative_config.model {folder!r}: its tokenizer.json differs from the target "
                              "model's; a draft model needs the same tokenizer")
-        self.model = load_model(path, dtype, device, max_model_len)
-        self.backend = backend
+        self.model = load_model(path, dtype, device, max_model_len, backend=backend)
         self.block_size = block_size
         self.device = device
         self.width = -(-max_model_len // block_size)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_hidden_layers)]
+        # Per request: the leading positions its KV holds, and how far the last drafts took it.
+        self.seen: dict[str, int] = {}
+        self.reach: dict[str, int] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Its blocks, and the KV in them, are gone."""
+        self.seen.pop(request_id, None)
+        self.reach.pop(request_id, None)
+
+    def accepted(self, request_id: str, accepted: int) -> None:
+        """Verification kept the first `accepted` drafts: their KV (all but the last draft's) stays valid."""
+        if request_id in self.seen:
+            self.seen[request_id] = min(self.reach[request_id], self.seen[request_id] + accepted)
 
     @torch.inference_mode()
-    def propose(self, seq: Sequence, seen: int, k: int) -> list[int]:
-        """`k` greedy draft tokens after `seq`'s tokens, whose first `seen` the draft cache holds already. The
-        block table must cover `seq.num_tokens + k - 1` positions."""
-        tokens = seq.token_ids
+    def propose(self, request_id: str, tokens: list[int], table: list[int], k: int) -> list[int]:
+        """`k` greedy draft tokens after `tokens` (a request's), whose leading ones the draft cache may hold
+        already. The block table `table` must cover `len(tokens) + k - 1` positions."""
+        seen = min(self.seen.get(request_id, 0), len(tokens) - 1)
         run = tokens[seen:]
         positions = list(range(seen, len(tokens)))
         drafts: list[int] = []
         for _ in range(k):
-            logits = self._forward(seq, run, positions)
+            logits = self._forward(table, run, positions)
             token = int(logits.argmax())
             drafts.append(token)
             run, positions = [token], [positions[-1] + 1]
+        self.seen[request_id] = len(tokens)
+        self.reach[request_id] = len(tokens) + k - 1  # it ran every draft but the last
         return drafts
 
-    def _forward(self, seq: Sequence, ids: list[int], positions: list[int]) -> torch.Tensor:
+    def _forward(self, table: list[int], ids: list[int], positions: list[int]) -> torch.Tensor:
         """The logits after the last of `ids` at `positions` (one prefill chunk; K/V written to their slots)."""
-        bs, table = self.block_size, seq.block_table
+        bs = self.block_size
         device = self.device
         end = positions[-1] + 1
         row = torch.zeros(1, self.width, dtype=torch.int32)
@@ -93,6 +106,5 @@ class DraftModel:
             prefill_max_query_len=len(ids),
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.int32, device=device),
-                            torch.tensor(positions, dtype=torch.int32, device=device), self.kv_caches, meta,
-                            self.backend)
+                            torch.tensor(positions, dtype=torch.int32, device=device), self.kv_caches, meta)
         return self.model.compute_logits(hidden[-1:])[0]

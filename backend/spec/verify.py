@@ -14,7 +14,7 @@ draws from norm(max(p - q, 0)) = p without d. Drawing t ~ p and accepting d when
 probability p(d), and on a mismatch t is p conditioned on t != d: the same distribution. Greedy rows are the
 argmax at each position, so greedy output is token-identical to decoding one token at a time.
 
-Structured output: a constrained sequence's drafts are those its grammar takes (`Speculator.propose`), and row
+Structured output: a constrained sequence's drafts are those its grammar takes (`DraftProposer.propose`), and row
 j is sampled under its grammar's mask after the first j drafts, the mask it would have decoding one token at
 a time, so the same argument holds under the grammar; the matcher then advances over the kept run, and a run
 that completes the grammar ends at that token (`Verified.end_run`).

@@ -33,9 +33,9 @@ class DeviceBlockTables:
         self.update_index: list[int] = []  # flat positions in `tensor`, pending for this step
         self.update_value: list[int] = []
 
-    @property
-    def rows_in_use(self) -> int:
-        return len(self._rows)
+    def request_ids(self) -> set[str]:
+        """The requests holding a row."""
+        return set(self._rows)
 
     def row(self, seq: Sequence) -> int:
         """The row of `seq` (assigned on first use), after queueing the block ids it does not hold yet."""

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from tritium.backend.models.config import ModelConfig
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.worker.memory_budget import (
     MemoryPlan,
@@ -16,13 +15,6 @@ from tritium.backend.worker.memory_budget import (
     module_bytes,
     plan_memory,
 )
-
-
-def kv_bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block of a model of config `c` (keys and values of `block_size` tokens, every layer) in
-    `dtype`."""
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,7 @@ def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.d
     `logit_rows`: the rows a step samples at most (max_num_seqs, x (1 + k) with speculation).
     Call it with the weights loaded and nothing else allocated yet. Raises ValueError (numbers in it) when that
     cannot hold one sequence of `max_model_len` tokens, or the share does not fit what the device has free."""
-    per_block = kv_bytes_per_block(model.config, config.block_size, dtype)
+    per_block = model.config.kv_bytes_per_block(config.block_size, dtype)
     weights = module_bytes(model) + resident_bytes
     budget = config.kv_cache_bytes
     plan = None

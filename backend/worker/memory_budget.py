@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -26,12 +26,12 @@ from itertools import accumulate, pairwise
 
 import torch
 
-from tritium.backend.core.scheduler import ScheduledSequence
+from tritium.backend.core.batch import ScheduledSequence
+from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups, segment_arrays
 from tritium.backend.lora.weights import LoraBatch, LoraStacks
 from tritium.backend.lora.windows import LoraWindows, plan_windows
 from tritium.backend.models.llama import LlamaForCausalLM
-from tritium.backend.worker.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.worker.block_tables import DeviceBlockTables
 from tritium.backend.worker.decode_graphs import DecodeGraphs
 from tritium.backend.worker.staging import StagingBuffer
@@ -296,7 +296,7 @@ class ModelRunner:
             assert self.lora_stacks is not None
             lora = LoraBatch(None, self.lora_stacks, st.ints(step.lora_row_slots), kernels)
         hidden: torch.Tensor = self.model(st.ints(step.input_ids), st.ints(step.positions), self.kv_caches,
-                                          self.metadata(step), self.backend, lora)
+                                          self.metadata(step), lora)
         return hidden
 
     @torch.inference_mode()
@@ -322,7 +322,7 @@ class ModelRunner:
         if self.backend.name == "triton":  # every kernel variant, each decode split count included
             c = self.model.config
             shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
-                                c.intermediate_size, self.model.cos_sin_cache.shape[-1], self.block_size,
+                                c.intermediate_size, self.model.rotary.cos_sin_cache.shape[-1], self.block_size,
                                 self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32,
                                 vocab_size=c.vocab_size, quantization=getattr(self.model, "quantization", None),
                                 lora_rank=self.lora_stacks.max_rank if self.lora_stacks is not None else None)

@@ -8,12 +8,16 @@ stored as their float32 bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as Values
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from tritium.backend.core.sequence import Sequence
+from tritium.backend.sample.settings import ROW_SETTINGS, HostRowSettings, RowSettings
 
 
 class StagingOverflow(RuntimeError):
@@ -46,7 +50,7 @@ class StagingBuffer:
         self.size = start + n
         return slice(start, start + n)
 
-    def put(self, values: Sequence[int] | npt.NDArray[np.integer[Any]], pad_to: int = 0, fill: int = 0) -> slice:
+    def put(self, values: Values[int] | npt.NDArray[np.integer[Any]], pad_to: int = 0, fill: int = 0) -> slice:
         """Append int values, padded with `fill` up to `pad_to` entries; returns where they went."""
         n = len(values)
         where = self._reserve(max(n, pad_to))
@@ -55,7 +59,7 @@ class StagingBuffer:
             self._ints[where.start + n : where.stop] = fill
         return where
 
-    def put_floats(self, values: Sequence[float]) -> slice:
+    def put_floats(self, values: Values[float]) -> slice:
         """Append float values (stored as their float32 bits); returns where they went. Raises StagingOverflow
         when the buffer is full."""
         where = self._reserve(len(values))
@@ -81,3 +85,29 @@ class StagingBuffer:
     def floats(self, where: slice) -> torch.Tensor:
         """The device view of `where` as float32 (valid after `upload`)."""
         return self.device_buffer[where].view(torch.float32)
+
+
+@dataclass
+class StagedRowSettings:
+    """Where `stage_row_settings` put the settings in the staging buffer (device views exist after upload)."""
+
+    rows: list[int]
+    index: slice
+    where: dict[str, slice]
+    used: frozenset[str]
+
+    def tensors(self, staging: StagingBuffer) -> RowSettings:
+        """The device views of the staged settings; valid once `staging` was uploaded."""
+        views = {s.name: (staging.floats if s.is_float else staging.ints)(self.where[s.name]) for s in ROW_SETTINGS}
+        return RowSettings(self.rows, staging.ints(self.index), views, self.used)
+
+
+def stage_row_settings(staging: StagingBuffer, seqs: list[Sequence]) -> StagedRowSettings | None:
+    """Put the random rows' settings into this step's staging buffer; None when every row is greedy."""
+    host = HostRowSettings.of(seqs)
+    if not host.rows:
+        return None
+    index = staging.put(host.rows)
+    where = {s.name: staging.put_floats(host.values[s.name]) if s.is_float else
+             staging.put([int(v) for v in host.values[s.name]]) for s in ROW_SETTINGS}
+    return StagedRowSettings(host.rows, index, where, host.used)

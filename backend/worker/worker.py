@@ -1,10 +1,8 @@
-"""The device side of the engine: one call, `execute(batch)`, per step.
+"""The device side of the engine: one call, `execute(batch)`, per step (docs/architecture.md, "A request's path").
 
-The worker owns the device (device.py), the model and its KV cache (sized by kv_sizing.py), the model runner,
-the staging buffer, the decode graphs, the sampler and the constrained requests' grammar matchers. A step
-stages the runner's inputs and the random rows' sampling settings into the staging buffer, uploads them in
-one copy and runs the forward pass while the grammar masks are computed on their own thread; then it samples
-with the masks and advances the grammars with the sampled tokens.
+A step stages the runner's inputs and the random rows' sampling settings, uploads them in one copy, runs the
+forward pass while the constrained rows' grammar masks are computed, samples, advances the grammars and, with
+speculative decoding, proposes each speculating request's drafts for its next step.
 """
 
 from __future__ import annotations
@@ -16,26 +14,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tritium.backend.config import EngineConfig
-from tritium.backend.core.scheduler import SchedulerOutput
+from tritium.backend.config import EngineConfig, SpeculativeConfig
+from tritium.backend.core.batch import SchedulerOutput
 from tritium.backend.core.sequence import Sequence
+from tritium.backend.layers.attention import check_attention_backend, get_attention_backend
 from tritium.backend.lora.weights import LoraStacks
-from tritium.backend.models.config import ModelConfig, check_attention_backend
+from tritium.backend.model_config import ModelConfig
 from tritium.backend.models.loader import load_model
 from tritium.backend.sample.sampler import Sampler, SamplerOutput
-from tritium.backend.sample.settings import RowSettings, row_settings_slots, stage_row_settings
+from tritium.backend.sample.settings import RowSettings, row_settings_slots
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.spec.config import SpeculativeConfig
-from tritium.backend.spec.draft_model import draft_footprint
+from tritium.backend.spec.draft_model import DraftModel, draft_footprint
+from tritium.backend.spec.proposer import DraftProposer
 from tritium.backend.spec.verify import Verified, accept_runs, position_views
 from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.decoding import StructuredDecoding
-from tritium.backend.worker.attention import get_attention_backend, resolve_backend_name
 from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets, use_decode_graphs
 from tritium.backend.worker.device import set_up_device, use_device
 from tritium.backend.worker.kv_sizing import num_kv_blocks
+from tritium.backend.worker.memory_budget import MemoryPlan
 from tritium.backend.worker.model_runner import ModelRunner, step_input_slots
-from tritium.backend.worker.staging import StagingBuffer
+from tritium.backend.worker.staging import StagingBuffer, stage_row_settings
 from tritium.backend.worker.threads import ThreadChoice, set_up_threads
 
 if TYPE_CHECKING:
@@ -56,81 +55,113 @@ class StepResult:
     errors: list[str | None] = field(default_factory=list)
     grammar_complete: list[bool] = field(default_factory=list)
     failed: bool = False
-    # Speculative decoding: per sequence the drafts verification kept, before `token_ids[row]`, and their
-    # logprobs (empty lists when no sequence of the step speculated).
+    # Speculative decoding, per sequence: the drafts verification kept, before `token_ids[row]`, and their
+    # logprobs (empty when no sequence of the step speculated); the drafts proposed for its next step.
     accepted: list[list[int]] = field(default_factory=list)
     accepted_logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    refused_drafts: int = 0  # drafts a grammar cut before they were proposed
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine learns of its worker once it is built."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model_config: ModelConfig
+    max_model_len: int
+    num_blocks: int
+    attention_backend: str  # "torch" or "triton"
+    graph_buckets: list[int]  # decode batch sizes captured as CUDA graphs ([]: eager)
+    warm_up_s: float
+    threads: ThreadChoice | None  # a CPU engine's intra-op threads and why
+    memory_plan: MemoryPlan | None  # on CUDA without kv_cache_bytes: what the device share is spent on
+    lora_stacks: LoraStacks | None  # the adapter slots on the device (the engine's LoraManager writes them)
 
 
 class Worker:
     """Loads the model on the configured device, sizes and allocates its KV cache, captures the decode graphs
-    and warms every kernel up (`warm_up_s`). Raises ValueError (or ModelFolderError) when the model cannot
-    run here: an unsupported checkpoint or head size, or a KV cache that cannot hold one `max_model_len`
-    sequence."""
+    and warms every kernel up. Raises ValueError (or ModelFolderError) when the model cannot run here: an
+    unsupported checkpoint or head size, or a KV cache that cannot hold one `max_model_len` sequence."""
 
     def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler,
                  served: bool = False) -> None:
-        self.device = set_up_device(config)
-        # `served`: inside tritonserver, whose threads need cores too (threads.py); a CPU's thread count, or None
-        self.threads: ThreadChoice | None = set_up_threads(config.num_threads, served, self.device.type)
-        self.dtype = config.torch_dtype(self.device)
-        backend = get_attention_backend(config.attention_backend, self.device)
-        # Before the weights load: a head size the attention backend cannot run is refused at once.
-        backend_name = resolve_backend_name(config.attention_backend, self.device)
-        check_attention_backend(ModelConfig.from_folder(model_path), backend_name)
-        model = load_model(model_path, self.dtype, self.device, config.max_model_len, config.quantization)
-        self.model_config = model.config
-        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        """`served`: inside tritonserver, whose threads need cores too (threads.py)."""
+        device = set_up_device(config)
+        threads = set_up_threads(config.num_threads, served, device.type)
+        dtype = config.torch_dtype(device)
+        backend = get_attention_backend(config.attention_backend, device)
+        check_attention_backend(ModelConfig.from_folder(model_path), backend.name)  # before the weights load
+        model = load_model(model_path, dtype, device, config.max_model_len, config.quantization, backend=backend)
+        max_model_len = config.max_model_len or model.config.max_position_embeddings
         seqs = config.max_num_seqs
-        use_graphs, why = use_decode_graphs(self.device.type, backend_name, config.enforce_eager)
-        if not use_graphs and self.device.type == "cuda":
+        use_graphs, why = use_decode_graphs(device.type, backend.name, config.enforce_eager)
+        if not use_graphs and device.type == "cuda":
             log = logger.warning if config.enforce_eager is False else logger.info
             log("decode CUDA graphs are off: %s; decode steps run eagerly", why)
         buckets = graph_buckets(seqs) if use_graphs else []
         # The resident adapters' slots (LoraManager writes them); allocated before the KV cache is sized.
-        self.lora_stacks = LoraStacks(model.config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
-                                      b_rank_major=backend_name != "triton") if config.enable_lora else None
+        stacks = LoraStacks(model.config, config.max_loras, config.max_lora_rank, dtype, device,
+                            b_rank_major=backend.name != "triton") if config.enable_lora else None
         spec = SpeculativeConfig.parse(config.speculative_config)
-        draft_weights, draft_block = draft_footprint(spec.model, self.dtype, config.block_size) \
-            if spec is not None and spec.model is not None else (0, 0)  # the engine loads the draft model later
-        adapters = self.lora_stacks.nbytes if self.lora_stacks is not None else 0
+        draft_weights, draft_block = draft_footprint(spec.model, dtype, config.block_size) \
+            if spec is not None and spec.model is not None else (0, 0)
+        adapters = stacks.nbytes if stacks is not None else 0
         # A speculating sequence samples at each verified position: a logit row and row settings for each.
         rows = seqs * (1 + spec.num_speculative_tokens) if spec is not None else seqs
-        sizing = num_kv_blocks(config, model, self.device, self.dtype, self.max_model_len, max(buckets, default=0),
+        sizing = num_kv_blocks(config, model, device, dtype, max_model_len, max(buckets, default=0),
                                adapters + draft_weights, draft_block, rows)
-        self.num_blocks = sizing.num_blocks
-        self.memory_plan = sizing.plan  # on CUDA without kv_cache_bytes: what the share is spent on (gpu-check)
-        slots = step_input_slots(seqs, config.max_num_batched_tokens, self.max_model_len, config.block_size,
+        slots = step_input_slots(seqs, config.max_num_batched_tokens, max_model_len, config.block_size,
                                  lora=config.enable_lora)
-        self.staging = StagingBuffer(slots + (rows - seqs) + row_settings_slots(rows), self.device)
-        self.graphs = DecodeGraphs(buckets, self.device)
-        self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device, seqs,
-                                  self.max_model_len, self.staging, self.graphs, self.lora_stacks)
-        self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=self.device)
-        self.structured = StructuredDecoding(grammars, self.device, rows)  # a mask per verified position too
-        self.warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
+        self.device = device
+        self.staging = StagingBuffer(slots + (rows - seqs) + row_settings_slots(rows), device)
+        self.runner = ModelRunner(model, backend, sizing.num_blocks, config.block_size, dtype, device, seqs,
+                                  max_model_len, self.staging, DecodeGraphs(buckets, device), stacks)
+        self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=device)
+        self.structured = StructuredDecoding(grammars, device, rows)  # a mask per verified position too
+        self.proposer: DraftProposer | None = None
+        if spec is not None:
+            drafter = DraftModel(spec.model, model_path, model.config, dtype, device, max_model_len,
+                                 sizing.num_blocks, config.block_size, backend) if spec.model is not None else None
+            self.proposer = DraftProposer(spec, max_model_len, config.block_size, self.structured.draft_prefix,
+                                          drafter)
+        warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
+        self.info = WorkerInfo(device, dtype, model.config, max_model_len, sizing.num_blocks, backend.name, buckets,
+                               warm_up_s, threads, sizing.plan, stacks)
 
     def add_request(self, request_id: str, params: SamplingParams, matcher: llguidance.LLMatcher | None) -> None:
         """Take on a request's device-side state: its grammar matcher (`matcher`, or compiled here from
-        `params.structured_output`) and its seeded generator. Raises ValueError, holding nothing of it, when
-        its structured output cannot be enforced."""
+        `params.structured_output`), its seeded generator and its draft length. Raises ValueError, holding
+        nothing of it, when its structured output cannot be enforced."""
         if params.structured_output is not None:
             self.structured.add(request_id, params.structured_output, matcher)
         self.sampler.add_request(request_id, params.seed)
+        if self.proposer is not None:
+            self.proposer.add_request(request_id)
 
     def release(self, request_id: str) -> None:
-        """Drop a finished request's state: its generator, matcher and block-table row (none: nothing happens)."""
+        """Drop a finished request's state (none: nothing happens)."""
         self.sampler.remove_request(request_id)
         self.structured.remove(request_id)
         self.runner.release(request_id)
+        if self.proposer is not None:
+            self.proposer.remove_request(request_id)
+
+    def held_requests(self) -> set[str]:
+        """The requests the worker holds state for: a generator, a matcher, a block-table row or a draft length."""
+        held = set(self.sampler.generators) | set(self.structured.matchers) | self.runner.block_tables.request_ids()
+        return held | set(self.proposer.lengths) if self.proposer is not None else held
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
         """Run one scheduled step: the forward pass (the constrained rows' grammar masks computed meanwhile),
-        sampling, the grammars advanced. A forward pass that raised is logged and comes back as a failed
-        result; the worker is ready for the next step either way. Sampling failures are per row (`errors`)."""
+        sampling, the grammars advanced, the next drafts. A forward pass that raised is logged and comes back as
+        a failed result; the worker is ready for the next step either way. Sampling failures are per row."""
         use_device(self.device)  # the serving loop steps on a thread of its own
-        for seq in batch.preempted:  # readmitted later with new blocks: a new row then
+        for seq in batch.preempted:  # readmitted later with new blocks: a new row then, and no draft KV
             self.runner.release(seq.request_id)
+            if self.proposer is not None:
+                self.proposer.forget_cache(seq.request_id)
         speculating = any(batch.drafts)
         rows = position_views(batch.sampling, batch.drafts) if speculating else batch.sampling
         pending_masks = self.structured.start(batch.sampling, batch.drafts if speculating else None)
@@ -144,11 +175,10 @@ class Worker:
         if not batch.sampling:
             return StepResult()
         sampled = self.sampler(logits, rows, settings, masks)
-        if not speculating:
-            return self._accept(batch.sampling, sampled)
-        verified = accept_runs(batch.drafts, sampled)
-        result = self._accept(batch.sampling, verified.sampled, verified)
-        result.accepted, result.accepted_logprobs = verified.accepted, verified.accepted_logprobs
+        verified = self._verify(batch, sampled) if speculating else None
+        result = self._accept(batch.sampling, verified.sampled if verified is not None else sampled, verified)
+        if self.proposer is not None:
+            self._propose(batch.sampling, result)
         return result
 
     def forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
@@ -162,7 +192,21 @@ class Worker:
         logits = self.runner.execute(step)
         return logits, staged.tensors(self.staging) if staged is not None else None
 
-    def _accept(self, seqs: list[Sequence], sampled: SamplerOutput, verified: Verified | None = None) -> StepResult:
+    def _verify(self, batch: SchedulerOutput, sampled: SamplerOutput) -> Verified:
+        """Each speculating sequence's run: the drafts its positions confirmed, then the token sampled after them.
+        Its draft length learns from it, and its seeded generator keeps only the draws of the run's positions, so
+        its text does not depend on how many drafts a step verified."""
+        verified = accept_runs(batch.drafts, sampled)
+        first = 0
+        for seq, draft, kept in zip(batch.sampling, batch.drafts, verified.accepted, strict=True):
+            if draft:
+                self.sampler.rewind_after(first + len(kept))
+                if self.proposer is not None:
+                    self.proposer.record(seq.request_id, len(draft), len(kept))
+            first += 1 + len(draft)
+        return verified
+
+    def _accept(self, seqs: list[Sequence], sampled: SamplerOutput, verified: Verified | None) -> StepResult:
         """Advance the constrained rows' grammars with their tokens (`verified`: a speculating step's runs,
         accepted drafts first): a token that breaks its grammar becomes that row's error; a grammar that is
         complete says so, and a run that completed it early ends at that token."""
@@ -174,4 +218,21 @@ class Worker:
             elif verdict.cut is not None and verified is not None:
                 verified.end_run(row, verdict.cut)
             complete[row] = verdict.complete
-        return StepResult(sampled.token_ids, sampled.logprobs, sampled.errors, complete)
+        result = StepResult(sampled.token_ids, sampled.logprobs, sampled.errors, complete)
+        if verified is not None:
+            result.accepted, result.accepted_logprobs = verified.accepted, verified.accepted_logprobs
+        return result
+
+    def _propose(self, seqs: list[Sequence], result: StepResult) -> None:
+        """`result.drafts`: each sequence's drafts for its next step, after the run this step gave it (none for a
+        row without a token or whose grammar is complete)."""
+        assert self.proposer is not None
+        for row, seq in enumerate(seqs):
+            token = result.token_ids[row]
+            drafts: list[int] = []
+            refused = 0
+            if token is not None and not result.grammar_complete[row]:
+                kept = result.accepted[row] if result.accepted else []
+                drafts, refused = self.proposer.propose(seq, [*kept, token])
+            result.drafts.append(drafts)
+            result.refused_drafts += refused

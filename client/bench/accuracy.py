@@ -8,9 +8,9 @@
 
 `python -m tritium.client.bench.accuracy [--model DIR] [--quantization int8|int4] [--group-size G] [--head S]`
 prints both (JSON); `--group-size` (int4: 32, the default, 64, 128 or 256) and `--head` (the logits head's scheme:
-int8 or int4) measure other choices than the engine's, swapped into the engine's model after it loads
-(measurement knobs, not engine settings: quantization.QuantizationOptions). tests/engine/test_quantization.py holds
-the thresholds measured with it.
+int8 or int4) measure other choices than the engine's (measurement knobs, not engine settings:
+quantization.QuantizationOptions): the greedy tokens of both models then come from the models alone, one prefill
+per token, instead of the engine.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from tritium.backend.layers.attention import AttentionMetadata
 from tritium.backend.models.llama import LlamaForCausalLM
 from tritium.backend.models.loader import load_model
-from tritium.backend.models.quantization import LAYER_PROJECTIONS, QuantizationOptions
-from tritium.backend.worker.attention import AttentionMetadata, get_attention_backend
+from tritium.backend.models.quantization import QuantizationOptions
+from tritium.backend.tokenizer import Tokenizer
 
 PROMPTS = (
     "The capital of France is",
@@ -98,7 +99,7 @@ def greedy_tokens(llm: object, max_tokens: int = 32, prompts: tuple[str, ...] = 
 def sequence_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """fp32 logits `[len(token_ids), vocab]` of one sequence in one prefill (torch reference kernels, CPU)."""
     config = model.config
-    device = model.cos_sin_cache.device
+    device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     n = len(token_ids)
     num_blocks = (n + block_size - 1) // block_size
@@ -115,7 +116,7 @@ def sequence_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: i
         prefill_seq_lens=i32([n]), prefill_max_query_len=n,
     )
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    hidden = model(ids, torch.arange(n, device=device), caches, meta, get_attention_backend("torch", device))
+    hidden = model(ids, torch.arange(n, device=device), caches, meta)
     return model.compute_logits(hidden).float()
 
 
@@ -131,20 +132,23 @@ def text_perplexity(folder: str | Path, quantization: str | None, text: str = TE
                     options: QuantizationOptions | None = None) -> float:
     """Perplexity of `text` under the model of `folder` (fp32 weights on the CPU, optionally quantized with
     `options`, None the defaults)."""
-    from tritium.backend.tokenizer import Tokenizer
-
     ids = Tokenizer(Path(folder)).encode(text)
     model = load_model(folder, torch.float32, torch.device("cpu"), max_positions=len(ids) + 1,
                        quantization=quantization, quantization_options=options)
     return perplexity(model, ids)
 
 
-def swap_projections(target: LlamaForCausalLM, source: LlamaForCausalLM) -> None:
-    """Give `target` (an engine's loaded model) `source`'s layer projections and logits head, in place."""
-    for dst, src in zip(target.layers, source.layers, strict=True):
-        for name in LAYER_PROJECTIONS:
-            setattr(dst, name, getattr(src, name))
-    target.packed_lm_head = source.packed_lm_head
+def model_greedy_tokens(model: LlamaForCausalLM, folder: str | Path, max_tokens: int = 32,
+                        prompts: tuple[str, ...] = PROMPTS) -> list[list[int]]:
+    """Greedy token ids for every prompt from `model` alone, one prefill per token (no engine, no EOS)."""
+    tokenizer = Tokenizer(Path(folder))
+    runs = []
+    for prompt in prompts:
+        ids, generated = tokenizer.encode(prompt), []
+        for _ in range(max_tokens):
+            generated.append(int(sequence_logits(model, ids + generated)[-1].argmax()))
+        runs.append(generated)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,11 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     ppl = text_perplexity(folder, args.quantization, options=options)
     runs = []
     for q in (None, args.quantization):
-        llm = LLM(model=str(folder), quantization=q, max_num_seqs=len(PROMPTS), max_num_batched_tokens=256)
-        if q is not None and options != QuantizationOptions():
-            swap_projections(llm.engine.worker.runner.model, load_model(
-                folder, torch.float32, torch.device("cpu"), quantization=q, quantization_options=options))
-        runs.append(greedy_tokens(llm, args.max_tokens))
+        if options == QuantizationOptions():
+            llm = LLM(model=str(folder), quantization=q, max_num_seqs=len(PROMPTS), max_num_batched_tokens=256)
+            runs.append(greedy_tokens(llm, args.max_tokens))
+        else:
+            model = load_model(folder, torch.float32, torch.device("cpu"), quantization=q, quantization_options=options)
+            runs.append(model_greedy_tokens(model, folder, args.max_tokens))
     agree = agreement(runs[0], runs[1])
     print(json.dumps({
         "quantization": args.quantization, "group_size": args.group_size, "head": args.head,

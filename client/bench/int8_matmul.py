@@ -1,8 +1,8 @@
-"""CPU microbenchmark behind `Int8Linear`'s and `Int4Linear`'s path choices (backend/models/quantization.py,
-int4.py): at the default model's
+"""CPU microbenchmark behind `Int8Linear`'s and `Int4Linear`'s path choices (backend/layers/int8_linear.py,
+int4_linear.py): at the default model's
 projection shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 heads x 64, 3 KV heads, vocabulary 49152),
 batch 1 and 32, the fp32 and bf16 `F.linear`, the oneDNN-packed fp32 and bf16 linears the engine uses unquantized
-(`CpuPackedLinear`, backend/models/llama.py; bf16 where oneDNN supports it), and int8 weights through
+(`CpuPackedLinear`, backend/layers/linear.py; bf16 where oneDNN supports it), and int8 weights through
 `_weight_int8pack_mm` with bf16 or fp32 activations, or dequantized then `F.linear`; and int4 weights (groups of
 32) through `_weight_int4pack_mm_for_cpu` with bf16 or fp32 activations, or dequantized then `F.linear`.
 
@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tritium.backend.models.int4 import Int4Linear, dequantize_groups, quantize_groups
-from tritium.backend.models.llama import cpu_packing_available
-from tritium.backend.models.quantization import cpu_has_bf16_instructions, quantize_per_channel
+from tritium.backend.layers.int4_linear import Int4Linear, dequantize_groups, quantize_groups
+from tritium.backend.layers.int8_linear import cpu_has_bf16_instructions, quantize_per_channel
+from tritium.backend.layers.linear import cpu_packing_available
 
 SHAPES = {"qkv": (576 + 2 * 192, 576), "o": (576, 576), "gate_up": (2 * 1536, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.lora.adapter import MODULES, module_shapes
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.backend.models.registry import resolve_model
 from tritium.client.bench.report import load_average, machine_info, pyplot, save_figure, write_report
 from tritium.client.bench.workload import synthetic_prompts
@@ -104,7 +104,7 @@ def _sync(device: torch.device) -> None:
 def measure_loads(llm: LLM, folders: dict[str, Path]) -> dict[str, Any]:
     """`load_lora` of each folder (host read) and a write of each into slot 0 (device): seconds per adapter,
     and the median of each."""
-    stacks = llm.engine.worker.lora_stacks
+    stacks = llm.engine.worker_info.lora_stacks
     assert stacks is not None and llm.engine.lora is not None
     load_s, write_s = [], []
     for name, folder in folders.items():
@@ -113,10 +113,10 @@ def measure_loads(llm: LLM, folders: dict[str, Path]) -> dict[str, Any]:
         load_s.append(time.perf_counter() - t0)
     for name in folders:
         adapter = llm.engine.lora.get(name)
-        _sync(llm.engine.worker.device)
+        _sync(llm.engine.device)
         t0 = time.perf_counter()
         stacks.write(0, adapter)
-        _sync(llm.engine.worker.device)
+        _sync(llm.engine.device)
         write_s.append(time.perf_counter() - t0)
     stacks.clear(0)  # no slot is assigned yet: the manager writes slots as requests take them
     return {"load_s": load_s, "slot_write_s": write_s, "load_s_median": statistics.median(load_s),
@@ -125,7 +125,7 @@ def measure_loads(llm: LLM, folders: dict[str, Path]) -> dict[str, Any]:
 
 def resident_memory(llm: LLM, name: str) -> dict[str, int]:
     """Host bytes of adapter `name` and device bytes of one slot of the stacks (all slots / max_loras)."""
-    stacks = llm.engine.worker.lora_stacks
+    stacks = llm.engine.worker_info.lora_stacks
     assert stacks is not None and llm.engine.lora is not None
     adapter = llm.engine.lora.get(name)
     slot_bytes = (stacks.nbytes + stacks.scaling.nbytes) // stacks.max_loras
@@ -207,7 +207,7 @@ def run_lora_benchmark(out_dir: str | Path = "bench_results", num_requests: int 
                      "input_len": input_len, "repeats": repeats, "adapters": NUM_ADAPTERS, "rank": RANK,
                      "targets": list(MODULES), "mix": "round-robin over the adapters and the base model",
                      "greedy": True, "ignore_eos": True, "engine": {k: str(v) for k, v in settings.items()},
-                     "dtype": str(llm.engine.dtype), "device": str(llm.engine.worker.device)},
+                     "dtype": str(llm.engine.dtype), "device": str(llm.engine.device)},
         "machine": machine_info(load_average=load_average()),
         "throughput": throughput,
         "load": load,

@@ -367,7 +367,7 @@ def memory_figures(engine: LLMEngine) -> dict[str, Any]:
     figures: dict[str, Any] = {"reserved_gib": torch.cuda.memory_reserved() / gib,
                                "max_reserved_gib": torch.cuda.max_memory_reserved() / gib,
                                "max_allocated_gib": torch.cuda.max_memory_allocated() / gib}
-    plan = getattr(engine.worker, "memory_plan", None)
+    plan = engine.worker_info.memory_plan
     if plan is not None:
         figures["estimate"] = {k: v / gib for k, v in asdict(plan).items()}
         figures["estimate_torch_gib"] = plan.torch_bytes / gib

@@ -108,7 +108,7 @@ def default_model_installed() -> bool:
     """Whether the default model's folder exists, or its wheel and the GGUF converter are there to make it."""
     import importlib.util
 
-    from tritium.backend.models.config import ModelFolderError
+    from tritium.backend.model_config import ModelFolderError
     from tritium.backend.models.registry import default_model_folder, find_default_gguf
 
     if (default_model_folder() / "config.json").is_file():

@@ -11,7 +11,7 @@ API_KEY_ENV = "TRITIUM_API_KEY"
 ADMIN_KEY_ENV = "TRITIUM_ADMIN_KEY"  # tritonserver's admin APIs, the model's LoRA admin actions, the endpoint's
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
 DEFAULT_OUT_DIR = "bench_results"
-# The engine's weight-only schemes (backend/models/quantization.py QUANTIZATIONS; not imported: it loads torch, and
+# The engine's weight-only schemes (backend/config.py QUANTIZATIONS; not imported: it loads torch, and
 # `tritium --help` stays fast; tests/unit/test_cli_options.py keeps the two equal).
 QUANTIZATIONS = ("int8", "int4")
 

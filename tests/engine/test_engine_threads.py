@@ -27,7 +27,8 @@ def test_num_threads_sets_torch_threads_and_is_logged(make_llm: Callable[..., LL
     with caplog.at_level(logging.INFO, logger="tritium.backend.worker.threads"):
         llm = make_llm(str(tiny_llama_path), kv_cache_bytes=8 << 20, num_threads=1, device="cpu")
     assert torch.get_num_threads() == 1
-    assert llm.engine.worker.threads is not None and llm.engine.worker.threads.count == 1
+    threads = llm.engine.worker_info.threads
+    assert threads is not None and threads.count == 1
     assert any("1 intra-op threads, num_threads is set" in r.getMessage() and "usable cores" in r.getMessage()
                for r in caplog.records)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -38,5 +39,6 @@ def test_a_served_engine_leaves_a_core_to_the_server(tiny_llama_path: Path, monk
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_cache_bytes=8 << 20, device="cpu"), served=True)
     expected = choose_threads(usable_cores().count, served=True).count
-    assert engine.worker.threads is not None and engine.worker.threads.count == expected
+    threads = engine.worker_info.threads
+    assert threads is not None and threads.count == expected
     assert torch.get_num_threads() == expected

@@ -10,7 +10,7 @@ import pytest
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.lora.adapter import LoraAdapterError
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 
 from support.hf_reference import hf_greedy
 from support.lora import merge_adapter, write_adapter
@@ -189,7 +189,7 @@ def test_bad_names_and_adapters_are_refused(make_llm: Callable[..., LLM], tiny_l
         llm.unload_lora("gone")
     assert not llm.engine.requests
     base = make_llm(str(tiny_llama_path), kv_cache_bytes=1 << 20)
-    assert base.engine.lora is None and base.engine.worker.lora_stacks is None
+    assert base.engine.lora is None and base.engine.worker_info.lora_stacks is None
     with pytest.raises(ValueError, match="enable_lora is off"):
         base.generate(["Hi"], GREEDY, lora_name="attn8")
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):

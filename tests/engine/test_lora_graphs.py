@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.backend.worker.decode_graphs import DecodeGraphs
 
 from support.checkpoints import save_tiny

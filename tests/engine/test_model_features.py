@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.models.config import ModelFolderError
+from tritium.backend.model_config import ModelFolderError
 from tritium.client.triton.repository import write_model
 
 from support.checkpoints import save_tiny

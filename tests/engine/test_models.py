@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tritium.backend import LLM, SamplingParams
+from tritium.backend.model_config import ModelFolderError
 from tritium.backend.models import gguf_convert, registry
-from tritium.backend.models.config import ModelFolderError
 from tritium.backend.models.loader import load_model
 
 from support.checkpoints import save_tiny
@@ -126,8 +126,8 @@ def test_config_variants_match_transformers(make_llm: Callable[..., LLM], tmp_pa
 def test_cpu_weights_are_packed_and_give_the_same_logits(dtype: torch.dtype, tiny_llama_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 and (where oneDNN has bf16) bf16 projections are packed once at load; logits match F.linear's."""
+    from tritium.backend.layers.linear import CpuPackedLinear, cpu_packing_available
     from tritium.backend.models import loader
-    from tritium.backend.models.llama import CpuPackedLinear, cpu_packing_available
     from tritium.client.bench.accuracy import sequence_logits
 
     if not cpu_packing_available(dtype):
@@ -148,6 +148,6 @@ def test_cpu_weights_are_packed_and_give_the_same_logits(dtype: torch.dtype, tin
 
 
 def test_fp16_is_never_packed_on_cpu() -> None:
-    from tritium.backend.models.llama import cpu_packing_available
+    from tritium.backend.layers.linear import cpu_packing_available
 
     assert not cpu_packing_available(torch.float16)

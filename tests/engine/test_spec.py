@@ -36,7 +36,7 @@ def no_leaks(engines: tuple[LLM, LLM]) -> Iterator[None]:
             engine.step()
         bm = engine.block_manager
         assert not engine.requests and bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
-        assert engine.worker.runner.block_tables.rows_in_use == 0
+        assert not engine.worker.held_requests()
 
 
 def same(a: list[RequestOutput], b: list[RequestOutput]) -> None:
@@ -62,8 +62,8 @@ def test_repeating_prompt_is_greedy_identical_and_accepts(engines: tuple[LLM, LL
     same(a, b)
     stats = b[0].spec_decoding
     assert stats is not None and stats.num_accepted_tokens > 16 and stats.mean_acceptance_length > 2
-    speculator = spec.engine.speculator
-    assert speculator is not None and speculator.num_accepted_tokens >= drafted(b)[1]
+    totals = spec.engine.spec_totals
+    assert totals is not None and totals.num_accepted_tokens >= drafted(b)[1]
 
 
 def mixed_params() -> list[SamplingParams]:
@@ -163,6 +163,25 @@ def test_seeded_sampling_is_reproducible(engines: tuple[LLM, LLM]) -> None:
     assert drafted(first)[1] > 0
 
 
+def test_a_seeded_request_keeps_its_text_when_drafts_are_rejected(make_llm: Callable[..., LLM],
+                                                                   engines: tuple[LLM, LLM]) -> None:
+    """A seeded sampled request gives the text it gives without speculation, alone or beside others in a step
+    whose token budget caps its drafts: its generator advances by the positions it kept, never by the positions
+    a step verified."""
+    base, roomy = engines
+    tight = make_llm(None, kv_cache_bytes=32 << 20, max_model_len=512, speculative_config=NGRAM,
+                     max_num_batched_tokens=3, max_num_seqs=3)
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
+    others = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = base.generate([COUNT], seeded)[0]
+    alone = roomy.generate([COUNT], seeded)[0]
+    beside = tight.generate([COUNT, COUNT], [others, seeded])[-1]
+    stats = [o.spec_decoding for o in (alone, beside)]
+    assert all(s is not None and s.num_accepted_tokens < s.num_draft_tokens for s in stats)  # drafts rejected
+    assert stats[0] != stats[1]  # its steps verified other numbers of drafts
+    assert alone.token_ids == beside.token_ids == plain.token_ids
+
+
 @pytest.mark.slow  # the default model through many steps: CI's full run, not the inner loop
 def test_sampled_output_keeps_its_distribution(engines: tuple[LLM, LLM]) -> None:
     """Token frequencies at the first output positions over many seeds, with and without speculation: a
@@ -232,8 +251,8 @@ def test_prometheus_counters_follow_the_engine(engines: tuple[LLM, LLM]) -> None
     metrics = EngineMetrics(types.SimpleNamespace(MetricFamily=MetricFamily), "tritium", "1", spec.engine)
     spec.generate([REPEAT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     metrics.on_step(spec.engine, time.monotonic(), force=True)
-    speculator = spec.engine.speculator
-    assert speculator is not None
-    assert counts["tritium_spec_decode_num_drafts_total"] == speculator.num_drafts > 0
-    assert counts["tritium_spec_decode_num_draft_tokens_total"] == speculator.num_draft_tokens > 0
-    assert counts["tritium_spec_decode_num_accepted_tokens_total"] == speculator.num_accepted_tokens > 0
+    totals = spec.engine.spec_totals
+    assert totals is not None
+    assert counts["tritium_spec_decode_num_drafts_total"] == totals.num_drafts > 0
+    assert counts["tritium_spec_decode_num_draft_tokens_total"] == totals.num_draft_tokens > 0
+    assert counts["tritium_spec_decode_num_accepted_tokens_total"] == totals.num_accepted_tokens > 0

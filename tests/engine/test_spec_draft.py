@@ -55,9 +55,10 @@ def test_a_shallow_draft_is_rejected_and_rolled_back_exactly(make_llm: Callable[
     assert [(o.token_ids, o.text) for o in b] == [(o.token_ids, o.text) for o in a]
     drafted, accepted = stats(b)
     assert 0 < accepted < drafted
-    drafter = spec.engine.speculator.drafter if spec.engine.speculator is not None else None
+    proposer = spec.engine.worker.proposer
+    drafter = proposer.drafter if proposer is not None else None
     assert drafter is not None  # what the memory plan leaves for it covers what it took
-    per_block = sum(k.nbytes + v.nbytes for k, v in drafter.kv_caches) // spec.engine.worker.num_blocks
+    per_block = sum(k.nbytes + v.nbytes for k, v in drafter.kv_caches) // spec.engine.worker_info.num_blocks
     weights, block = draft_footprint(str(shallow_model), torch.float32, 16)
     # On a CPU the tied logits projection is packed as a copy (module_bytes counts it); CUDA shares it.
     tied_copy = drafter.model.embed_tokens.weight.nbytes

@@ -48,6 +48,7 @@ def test_triton_backend_matches_torch_backend(make_llm: Callable[..., LLM], micr
     kwargs = dict(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=20)
     torch_llm = make_llm(str(micro_llama), attention_backend="torch", enforce_eager=True, **kwargs)
     triton_llm = make_llm(str(micro_llama), attention_backend="triton", enforce_eager=enforce_eager, **kwargs)
-    assert triton_llm.engine.worker.runner.backend.name == "triton"
-    assert triton_llm.engine.worker.runner.graphs.buckets == ([] if enforce_eager else [1, 2, 4])
+    info = triton_llm.engine.worker_info
+    assert info.attention_backend == "triton"
+    assert info.graph_buckets == ([] if enforce_eager else [1, 2, 4])
     assert run(triton_llm) == run(torch_llm)

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.client.triton.repository import copy_with_settings, write_multi_lora
 
 from support.lora import write_adapter

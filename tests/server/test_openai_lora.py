@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 
 from support.lora import write_adapter
 from support.serving import API_KEY as KEY

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tritium.backend.models.quantization import QUANTIZATIONS
+from tritium.backend.config import QUANTIZATIONS
 from tritium.client.cli import options
 
 

@@ -1,4 +1,4 @@
-"""int4 weight-only quantization (models/int4.py): group quantization, Int4Linear's paths against a dequantized
+"""int4 weight-only quantization (layers/int4_linear.py): group quantization, Int4Linear's paths against a dequantized
 reference, the shapes that take the dequantize path, the packed CPU op's constraints (so a torch upgrade that
 changes them shows here), and the CUDA refusal (no GPU needed)."""
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tritium.backend import EngineConfig
-from tritium.backend.models.int4 import (
+from tritium.backend.config import check_quantization, check_quantization_device
+from tritium.backend.layers.int4_linear import (
     GROUP_SIZES,
     INT4_PATHS,
     Int4Linear,
@@ -17,7 +18,6 @@ from tritium.backend.models.int4 import (
     packable,
     quantize_groups,
 )
-from tritium.backend.models.quantization import check_quantization, check_quantization_device
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
@@ -104,7 +104,7 @@ def test_unsupported_group_size_is_refused(group_size: int) -> None:
 
 
 def test_packed_op_constraints() -> None:
-    """What torch 2.13's packed int4 CPU op accepts (models/int4.py `packable`): it raises outside, never returns
+    """What torch 2.13's packed int4 CPU op accepts (layers/int4_linear.py `packable`): it raises outside, never returns
     a wrong result; scales must be in the activations' dtype."""
     pack, mm = torch._convert_weight_to_int4pack_for_cpu, torch.ops.aten._weight_int4pack_mm_for_cpu
     q = torch.randint(0, 16, (24, 64), dtype=torch.int32)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tritium.backend import LLM, EngineConfig
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.worker.memory_budget import (
     CAPTURE_STREAM_WORKSPACE_BYTES,

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tritium.backend.config import EngineConfig
+from tritium.backend.core.batch import SchedulerOutput
 from tritium.backend.core.block_manager import BlockManager
-from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
+from tritium.backend.core.scheduler import Scheduler
 from tritium.backend.core.sequence import Sequence, SequenceStatus
 from tritium.backend.core.waiting_queue import FcfsQueue, PriorityQueue, make_waiting_queue, outranks
 from tritium.backend.lora.manager import LoraManager

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from tritium.backend.core.batch import SchedulerOutput
 from tritium.backend.core.block_manager import BlockManager
-from tritium.backend.core.scheduler import Scheduler, SchedulerOutput
+from tritium.backend.core.scheduler import Scheduler
 from tritium.backend.core.sequence import SequenceStatus
 
 from support.builders import seq

@@ -1,5 +1,6 @@
-"""Speculative decoding without a model: the config, prompt lookup, the draft-length rule, the scheduler's
-verification bookkeeping (rollback of rejected drafts) and the exactness of verification by sampling."""
+"""Speculative decoding without a model: the config, prompt lookup, the draft-length rule, the proposer's limits,
+the scheduler's budgeting of the worker's drafts (blocks for them, rollback of rejected ones) and the exactness of
+verification by sampling."""
 
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tritium.backend.config import SpeculativeConfig
 from tritium.backend.core.block_manager import BlockManager
 from tritium.backend.core.scheduler import Scheduler
 from tritium.backend.core.sequence import Sequence
+from tritium.backend.outputs import SpecDecodingStats
 from tritium.backend.sample.sampler import Sampler, SamplerOutput
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.serving.settings import load_settings
-from tritium.backend.spec.acceptance import RETRY_AFTER, WINDOW, AdaptiveDraftLength, SpecState
-from tritium.backend.spec.config import SpeculativeConfig
+from tritium.backend.spec.draft_length import RETRY_AFTER, WINDOW, AdaptiveDraftLength
 from tritium.backend.spec.ngram import propose_ngram
-from tritium.backend.spec.speculator import Speculator
+from tritium.backend.spec.proposer import DraftProposer
 from tritium.backend.spec.verify import accept_runs, position_views
 
 
@@ -88,57 +90,106 @@ def test_drafts_that_never_land_turn_speculation_off_at_once_and_retries_back_of
 
 def speculating(tokens: list[int], rid: str = "r", max_tokens: int = 100) -> Sequence:
     s = Sequence(rid, None, tokens, SamplingParams(max_tokens=max_tokens, temperature=0), 0)
-    s.spec = SpecState(AdaptiveDraftLength(4))
+    s.spec = SpecDecodingStats()
     return s
 
 
-def test_scheduler_runs_drafts_and_rolls_back_the_rejected_ones() -> None:
+def test_scheduler_runs_the_workers_drafts_and_rolls_back_the_rejected_ones() -> None:
     blocks = BlockManager(16, 4)
     sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
-    sched.speculator = Speculator(SpeculativeConfig("ngram", 4, 1, 3), max_model_len=64)
-    a = speculating([1, 2, 3, 4, 5, 1, 2])  # lookup of [1, 2] drafts 3, 4, 5, 1
+    a = speculating([1, 2, 3, 4, 5, 1, 2])
     sched.add(a)
     out = sched.schedule()
-    sched.update(out, [3])  # the prefill samples 3
-    assert a.token_ids[-1] == 3 and a.num_computed_tokens == 7
+    sched.update(out, [3], drafts=[[4, 5, 1, 2]])  # the prefill samples 3; the worker drafts 4, 5, 1, 2
+    assert a.token_ids[-1] == 3 and a.num_computed_tokens == 7 and a.draft_tokens == [4, 5, 1, 2]
+    assert len(a.block_table) == 2  # the drafts' positions 8..11 get blocks when they are scheduled
     out = sched.schedule()
     (s,) = out.scheduled
     assert s.draft == [4, 5, 1, 2] and s.num_new_tokens == 5 and s.samples and out.drafts == [[4, 5, 1, 2]]
-    assert len(a.block_table) == 3  # 12 positions: the drafts' slots are allocated
-    # The target agreed with 4 and 5, then sampled 9 instead of 1: two drafts kept, 9 appended.
-    assert sched.update(out, [9], [[4, 5]]) == [3]
+    assert len(a.block_table) == 3 and not a.draft_tokens  # 12 positions; the drafts are the step's now
+    # The target agreed with 4 and 5, then sampled 9 instead of 1: two drafts kept, 9 appended; no new drafts.
+    assert sched.update(out, [9], [[4, 5]], [[]]) == [3]
     assert a.token_ids[7:] == [3, 4, 5, 9] and a.num_computed_tokens == 10
     assert len(a.block_table) == 3 and blocks.num_free_blocks == 13
-    assert a.spec is not None and (a.spec.stats.num_draft_tokens, a.spec.stats.num_accepted_tokens) == (4, 2)
     sched.finish(a, "abort")
     # All rejected: the block only the drafts took is freed.
     b = speculating([7, 8, 9, 7, 8, 9, 7, 8], "b")
     sched.add(b)
-    sched.update(sched.schedule(), [9])
+    sched.update(sched.schedule(), [9], drafts=[[7, 8, 9, 7]])
     out = sched.schedule()
     (s,) = out.scheduled
     assert s.draft == [7, 8, 9, 7] and len(b.block_table) == 4  # positions 8..12
-    assert sched.update(out, [1], [[]]) == [1]
+    assert sched.update(out, [1], [[]], [[]]) == [1]
     assert b.num_computed_tokens == 9 and b.token_ids[8:] == [9, 1] and len(b.block_table) == 3
     assert blocks.num_free_blocks == 13
     sched.finish(b, "abort")
     assert blocks.num_free_blocks == 16
 
 
-def test_drafts_stop_at_max_tokens_and_a_stop_cuts_the_run() -> None:
+def test_drafts_are_cut_to_the_budget_and_dropped_without_blocks() -> None:
+    blocks = BlockManager(3, 4)
+    sched = Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=3)
+    a = speculating([1, 2, 3])
+    sched.add(a)
+    sched.update(sched.schedule(), [4], drafts=[[5, 6, 7, 8]])
+    out = sched.schedule()
+    assert out.scheduled[0].draft == [5, 6]  # the budget of 3 holds the token and two drafts
+    sched.update(out, [9], [[5, 6]], [[1, 2, 3]])  # positions 0..6 hold tokens; the drafts would take 7..9
+    other = Sequence("other", None, [1, 2, 3, 4], SamplingParams(), 0)
+    assert blocks.allocate(other, 4) and blocks.num_free_blocks == 0
+    out = sched.schedule()
+    assert out.scheduled[0].draft == [] and out.scheduled[0].num_new_tokens == 1  # no block for position 8
+    sched.finish(a, "abort")
+    blocks.free_sequence(other)
+    assert blocks.num_free_blocks == 3
+
+
+def test_a_draft_model_gets_lookahead_blocks_within_the_context() -> None:
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, num_lookahead_tokens=4, max_model_len=10)
+    a, plain = speculating([1, 2, 3, 4, 5]), Sequence("p", None, [1, 2, 3], SamplingParams(max_tokens=4), 0)
+    sched.add(a)
+    sched.add(plain)
+    sched.schedule()
+    assert len(a.block_table) == 3  # 5 prompt positions and 4 the draft model writes at after sampling
+    assert len(plain.block_table) == 1  # it does not speculate
+    a.token_ids += [6, 7]
+    a.num_computed_tokens = 6
+    sched.schedule()
+    assert len(a.block_table) == 3  # 7 positions + 4 would pass max_model_len 10: up to 10
+
+
+def test_the_proposer_keeps_to_the_requests_limits() -> None:
+    refused: list[list[int]] = []
+
+    def grammar(request_id: str, drafts: list[int]) -> int:
+        refused.append(drafts)
+        return 1
+
+    proposer = DraftProposer(SpeculativeConfig("ngram", 4, 1, 3), max_model_len=64, block_size=4,
+                             grammar_prefix=grammar)
+    a = speculating([1, 2, 3, 1, 2], max_tokens=3)
+    proposer.add_request("r")
+    assert proposer.propose(a, [3]) == ([1], 0)  # one output after the run, a verification adds up to 2 more
+    a.token_ids.append(3)
+    assert proposer.propose(a, [1]) == ([], 0)  # the run reaches max_tokens - 1: nothing left to draft
+    assert proposer.propose(speculating([1, 2, 3, 1, 2], "other"), [3]) == ([], 0)  # not added: no speculation
+    constrained = Sequence("c", None, [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, structured_output={
+        "choice": ["a"]}), 0)
+    proposer.add_request("c")
+    assert proposer.propose(constrained, [3]) == ([1], 2) and refused == [[1, 2, 3]]
+
+
+def test_the_stop_checker_cuts_an_accepted_run() -> None:
     blocks = BlockManager(16, 4)
     sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
-    sched.speculator = Speculator(SpeculativeConfig("ngram", 4, 1, 3), max_model_len=64)
-    a = speculating([1, 2, 3, 1, 2], max_tokens=3)
+    a = speculating([1, 2, 3, 1, 2], max_tokens=10)
     a.params.stop_token_ids = [3]
     sched.add(a)
-    sched.update(sched.schedule(), [3 + 10])  # first output token 13
-    a.token_ids[-1] = 1  # pretend it sampled 1 so that lookup of [2, ..] continues: [1, 2, 3, 1, 2, 1]
+    sched.update(sched.schedule(), [13], drafts=[[3, 4]])
     out = sched.schedule()
-    assert len(out.scheduled[0].draft) == 1  # max_tokens 3: one output so far, a verification adds up to 2
-    out.scheduled[0].draft[:] = [3]
-    out.drafts = [[3]]
-    assert sched.update(out, [5], [[3]]) == [1]  # the stop id 3 ends the run: 5 is never appended
+    assert out.drafts == [[3, 4]]
+    assert sched.update(out, [5], [[3, 4]], [[6]]) == [1]  # the stop id 3 ends the run: 4 and 5 never appended
     assert a.finished and a.finish_reason == "stop" and a.token_ids[-1] == 3
     assert blocks.num_free_blocks == 16
 

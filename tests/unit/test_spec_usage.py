@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tritium.backend.outputs import RequestOutput
+from tritium.backend.outputs import RequestOutput, SpecDecodingStats
 from tritium.backend.serving.triton_sink import SPEC_COUNTS, SPEC_MEAN, TritonSink, spec_figures
-from tritium.backend.spec.acceptance import SpecDecodingStats
 from tritium.client.cluster.replica_load import engine_load, vllm_metrics
 from tritium.client.cluster.upstream import Chunk
 from tritium.client.openai.protocol import speculative_usage

@@ -95,7 +95,7 @@ def test_the_graph_path_gives_the_eager_tokens(make_llm: Callable[..., LLM], ran
     texts = {}
     for eager in (True, False):
         llm = make_llm(str(random_llama), enforce_eager=eager, max_num_seqs=8)
-        assert bool(llm.engine.worker.runner.graphs.buckets) == (not eager)
+        assert bool(llm.engine.worker_info.graph_buckets) == (not eager)
         texts[eager] = [o.token_ids for o in llm.generate(PROMPTS, _mixed_params())]
     assert texts[False] == texts[True]
 

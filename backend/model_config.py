@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # what the Triton attention kernels handle
 
 
 class ModelFolderError(ValueError):
@@ -44,15 +46,6 @@ def unsupported_features(raw: dict[str, Any]) -> list[str]:
     return found
 
 
-def check_attention_backend(config: ModelConfig, backend: str) -> None:
-    """Raise ModelFolderError when the `backend` attention kernels cannot run this model's head size."""
-    if backend == "triton" and config.head_dim not in TRITON_HEAD_DIMS:
-        raise ModelFolderError(
-            f"head_dim {config.head_dim} is not supported by the triton attention backend "
-            f"(supported: {', '.join(map(str, TRITON_HEAD_DIMS))}); use attention_backend='torch'"
-        )
-
-
 @dataclass
 class ModelConfig:
     architecture: str
@@ -74,6 +67,10 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None  # an active window caps max_position_embeddings (attention is full)
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one KV block (keys and values of `block_size` tokens, every layer) in `dtype`."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * block_size * dtype.itemsize
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:

@@ -1,8 +1,6 @@
-"""Attention backends: which implementation of the kernel interface the model calls.
-
-`torch` uses `tritium.kernels.reference` (any device); `triton` uses the Triton-language kernels
-(CUDA, or a CPU under TRITON_INTERPRET=1). The model only sees an `AttentionBackend`.
-"""
+"""Attention over the paged KV cache, and the kernel implementation every layer calls (`AttentionBackend`):
+`torch` is `tritium.kernels.reference` (any device), `triton` the Triton-language kernels (CUDA, or a CPU under
+TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -10,10 +8,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from tritium.backend.model_config import ModelConfig, ModelFolderError
 from tritium.kernels.interface import KernelOps
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # what the Triton attention kernels handle
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's key and value caches
 
 
 @dataclass
@@ -102,3 +104,27 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     from tritium.kernels import reference
 
     return AttentionBackend("torch", reference)
+
+
+def check_attention_backend(config: ModelConfig, backend: str) -> None:
+    """Raise ModelFolderError when the `backend` attention kernels cannot run this model's head size."""
+    if backend == "triton" and config.head_dim not in TRITON_HEAD_DIMS:
+        raise ModelFolderError(
+            f"head_dim {config.head_dim} is not supported by the triton attention backend "
+            f"(supported: {', '.join(map(str, TRITON_HEAD_DIMS))}); use attention_backend='torch'"
+        )
+
+
+class Attention(nn.Module):
+    """One layer's attention: writes the step's K/V into its cache, then attends (GQA: heads share KV heads)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

@@ -9,8 +9,8 @@ logits head for an `Int4Linear`, as for int8.
 How an `Int4Linear` multiplies (`Int4Linear.path`, chosen once per host and layer by `choose_int4_path`):
 - "cpu_bf16": `torch.ops.aten._weight_int4pack_mm_for_cpu` with bf16 activations, scales and zeros, on CPUs where
   torch runs the op's vectorized kernels (capability AVX2 or AVX512; bf16 instructions are not needed: with the
-  AVX2 kernels, `ATEN_CPU_CAPABILITY=avx2`, it was still 13-45x faster than fp32 activations, README
-  "Quantization").
+  AVX2 kernels, `ATEN_CPU_CAPABILITY=avx2`, it was still 13-45x faster than fp32 activations:
+  docs/quantization.md).
 - "cpu_fp32": the same op with fp32 activations, scales and zeros: exact to fp32 rounding but slow at every row
   count (torch's fp32 int4 kernel is not vectorized); only when forced (tests, `client/bench/int8_matmul.py`).
 - "dequant": dequantize the weight to the input's dtype, then `F.linear`: shapes the packed op cannot take, and

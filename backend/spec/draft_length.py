@@ -1,4 +1,4 @@
-"""Per request: the speculative figures vLLM reports, and the rule that turns speculation down or off.
+"""Per request: the rule that turns speculation down or off.
 
 The rule (`AdaptiveDraftLength`): k starts at `num_speculative_tokens`. Over each window of `WINDOW`
 verification steps (steps that drafted at least one token), the acceptance rate is accepted / drafted. Below
@@ -11,42 +11,13 @@ starts a new window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 WINDOW = 8
 TURN_OFF_BELOW = 0.1
 TURN_DOWN_BELOW = 0.3
 TURN_UP_FROM = 0.7
 RETRY_AFTER = 32
-
-
-@dataclass
-class SpecDecodingStats:
-    """One request's speculative decoding, named as vLLM's per-request metrics and AIPerf's record:
-    verification steps, draft tokens proposed and accepted, and how many steps accepted n drafts."""
-
-    num_spec_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    acceptance_histogram: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verification step, the bonus or correction token included (1.0 with no steps)."""
-        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 1.0
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        """Accepted / drafted tokens (0.0 when nothing was drafted)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    def to_dict(self) -> dict[str, object]:
-        """The figures as plain JSON-ready values (derived ones included)."""
-        return {"num_spec_steps": self.num_spec_steps, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "mean_acceptance_length": self.mean_acceptance_length,
-                "draft_acceptance_rate": self.draft_acceptance_rate,
-                "acceptance_histogram": dict(sorted(self.acceptance_histogram.items()))}
 
 
 @dataclass
@@ -96,25 +67,3 @@ class AdaptiveDraftLength:
 
     def _set(self, k: int) -> None:
         self.k, self.drafted, self.accepted, self.steps, self.off_steps = k, 0, 0, 0, 0
-
-
-@dataclass
-class SpecState:
-    """A speculating request's draft length and figures (held by its Sequence)."""
-
-    length: AdaptiveDraftLength
-    stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
-    # A draft model's progress: the leading tokens its KV cache holds (`draft_seen`), what the current drafts
-    # took it to (`draft_reach`), and the preemption count they belong to (a preemption drops that cache).
-    draft_seen: int = 0
-    draft_reach: int = 0
-    draft_preemptions: int = 0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """Count one verification step of `drafted` tokens of which the first `accepted` were kept."""
-        s = self.stats
-        s.num_spec_steps += 1
-        s.num_draft_tokens += drafted
-        s.num_accepted_tokens += accepted
-        s.acceptance_histogram[accepted] = s.acceptance_histogram.get(accepted, 0) + 1
-        self.length.record(drafted, accepted)
