@@ -1,14 +1,13 @@
-"""What the serving threads pass around, without the loop that runs them: a request's `Job`, the
-`ResponseSink` its results go to, the `ErrorKind` of a final error, the metrics `LoopObserver` and
+"""What the serving threads pass around, without the loop that runs them: a request's `Job` and its `Stage`,
+the `ResponseSink` its results go to, the `ErrorKind` of a final error, the metrics `LoopObserver` and
 `merge_outputs`. Sinks and metrics import this module, never serving/engine_loop.py.
 """
 
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tritium.backend.outputs import RequestOutput
@@ -49,7 +48,8 @@ class ResponseSink(Protocol):
 
 
 class LoopObserver(Protocol):
-    """Metrics hooks, called on the engine thread (`on_refused` on the caller of `submit`)."""
+    """Metrics hooks: `on_admitted` and `on_engine_failed` are called on the engine thread, `on_refused` on the
+    caller of `submit`, the others on the response thread. `now` is a reading of the loop's clock."""
 
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
     def on_admitted(self, job: Job) -> None: ...
@@ -70,9 +70,21 @@ class NoObserver:
     def on_stream_interval(self, interval: int) -> None: ...
 
 
+class Stage(enum.Enum):
+    """Where a submitted job is in the loop."""
+
+    TOKENIZING = "tokenizing"  # waiting for the tokenizer thread, or in it
+    COMPILING = "compiling"  # its structured output's grammar is being compiled
+    QUEUED = "queued"  # waiting for the engine thread to admit it
+    RUNNING = "running"  # in the engine; the response thread polls its cancellation
+    ABORTING = "aborting"  # in the engine, cancelled or expired: the engine thread aborts it
+    DONE = "done"  # out of the engine: its last output (or error) waits for the response thread
+
+
 @dataclass(eq=False)
 class Job:
-    """One accepted request as the serving threads see it, from `submit` to its final response."""
+    """One accepted request as the serving threads see it, from `submit` to its final response. Times are
+    readings of the loop's clock."""
 
     request_id: str
     params: SamplingParams
@@ -80,14 +92,19 @@ class Job:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     lora_name: str | None = None  # the LoRA adapter it runs on (None: the base model)
-    deadline: float | None = None  # time.monotonic() after which the request is aborted
-    arrival: float = field(default_factory=time.monotonic)
+    timeout_s: float | None = None  # request_timeout_s: aborted when still running this long after `arrival`
+    stage: Stage | None = None  # None until submitted
+    arrival: float = 0.0  # when it was submitted
     first_token_at: float | None = None
     last_token_at: float | None = None
-    next_cancel_check: float = 0.0
+    next_cancel_check: float = 0.0  # is_cancelled() is not asked before (CancelPolls)
     matcher: Any = None  # its structured output's compiled matcher (llguidance), once compiled
     num_responses: int = 0  # responses sent (the response thread's)
     closed: bool = False  # its final response (or error) went out: nothing more is sent
+
+    def expired(self, now: float) -> bool:
+        """Whether it has run past its timeout at `now`."""
+        return self.timeout_s is not None and now - self.arrival > self.timeout_s
 
 
 class ReplySink(Protocol):

@@ -106,7 +106,8 @@ class EngineModel(ABC, Generic[R]):
         self._ids = count()
         import torch
 
-        threads = f": {self.engine.worker.threads.reason}" if self.engine.worker.threads else ""
+        choice = self.engine.worker_info.threads
+        threads = f": {choice.reason}" if choice else ""
         print(f"tritium {args['model_name']} version {args['model_version']} ready on {self.engine.device} "
               f"({torch.get_num_threads()} torch threads{threads})", flush=True)
 
@@ -133,11 +134,9 @@ class EngineModel(ABC, Generic[R]):
         parsed = self.parse(request)
         if parsed.lora_name is not None:  # an unknown adapter, or LoRA off: refused here, naming it
             self.engine.lora_adapter(parsed.lora_name)
-        job = Job(request_id=request_id, params=parsed.params, sink=self.make_sink(sender, parsed),
-                  prompt=parsed.prompt, prompt_token_ids=parsed.prompt_token_ids, lora_name=parsed.lora_name)
-        if self.timeout_s is not None:
-            job.deadline = job.arrival + self.timeout_s
-        return job
+        return Job(request_id=request_id, params=parsed.params, sink=self.make_sink(sender, parsed),
+                   prompt=parsed.prompt, prompt_token_ids=parsed.prompt_token_ids, lora_name=parsed.lora_name,
+                   timeout_s=self.timeout_s)
 
     def _admin_call(self, request_id: str, parameters: dict[str, Any], sender: Any) -> EngineCall | None:
         """The EngineCall running a lora_admin action, or None once a refused one (wrong or missing admin_key)

@@ -1,13 +1,14 @@
 """The engine loop's response thread: outputs that wait while a send is slow are merged into one response per
 request (adaptive coalescing), `stream_interval` bounds how small a streamed response may be, the first
-token is never held, nothing is lost, and a cancelled request is aborted. The pacer widens responses only
-while sending is the bottleneck."""
+token is never held, nothing is lost, and a cancelled or expired request is aborted, within the documented
+number of cancellation polls (on a clock the test advances). The pacer widens responses only while sending
+is the bottleneck."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -15,15 +16,18 @@ import pytest
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.engine import LLMEngine
 from tritium.backend.outputs import RequestOutput
+from tritium.backend.serving.cancel_polls import CANCEL_CHECKS_PER_S, CANCEL_MIN_INTERVAL_S
 from tritium.backend.serving.engine_loop import EngineLoop
 from tritium.backend.serving.jobs import Job, merge_outputs
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.serving.stream_pacer import StreamPacer
 
-from support.serving import wait_for
-from support.sinks import RecordingSink
+from support.lockstep import FakeClock, Lockstep
+from support.sinks import PolledSink, RecordingSink
 
 LONG = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=1)
+ENDLESS = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)  # outlives every test here
+TICK = 1 / 32  # the test clock's step: exact in binary, 50/32 polls earned a tick
 
 
 class SlowSink(RecordingSink):
@@ -32,14 +36,10 @@ class SlowSink(RecordingSink):
     def __init__(self, delay_s: float) -> None:
         super().__init__()
         self.delay_s = delay_s
-        self.cancelled = False
 
     def send_output(self, output: RequestOutput) -> None:
         time.sleep(self.delay_s)
         super().send_output(output)
-
-    def is_cancelled(self) -> bool:
-        return self.cancelled
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +90,40 @@ def test_stream_interval_bounds_the_response_size(engine: LLMEngine) -> None:
     assert middle and all(len(o.delta_token_ids) >= 5 for o in middle)
 
 
-def test_a_cancelled_request_is_aborted(engine: LLMEngine) -> None:
-    sink = SlowSink(0.0)
-    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
-    threading.Timer(0.5, lambda: setattr(sink, "cancelled", True)).start()
-    started = time.monotonic()
-    serve(engine, [sink], params=params)
-    assert sink.outputs[-1].finish_reason == "abort" and time.monotonic() - started < 10
+def test_a_cancelled_request_is_aborted_at_the_next_poll(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    sink = PolledSink(clock)
+    with Lockstep(engine, monkeypatch, clock) as run:
+        run.loop.submit(Job(request_id="r", params=ENDLESS, sink=sink, prompt="Once upon a time"))
+        while len(sink.outputs) < 3:
+            run.tick(TICK)
+        sink.cancelled, cancelled_at = True, clock.now
+        while not sink.done.is_set() and run.ticks < 100:
+            run.tick(TICK)
+    (seen_at, _), = [ask for ask in sink.asks if ask[1]]
+    assert sink.asks[-1] == (seen_at, True)  # never asked again
+    assert seen_at <= cancelled_at + CANCEL_MIN_INTERVAL_S + TICK  # alone, it is asked every 0.1 s
+    assert sink.done_at <= seen_at + 2 * TICK  # aborted by the engine thread before the next step but one
+    final = sink.outputs[-1]
+    assert final.finish_reason == "abort" and not sink.errors and len(final.token_ids) < 20
     assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_past_its_timeout_is_aborted_and_the_others_run_on(engine: LLMEngine,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    timed, untimed = RecordingSink(clock=clock), RecordingSink(clock=clock)
+    with Lockstep(engine, monkeypatch, clock) as run:
+        run.loop.submit(Job(request_id="timed", params=ENDLESS, sink=timed, prompt="Once upon a time", timeout_s=1.0))
+        run.loop.submit(Job(request_id="untimed", params=LONG, sink=untimed, prompt="Once upon a time"))
+        arrival = clock.now
+        while not untimed.done.is_set() and run.ticks < 100:
+            run.tick(TICK)
+    assert timed.outputs[-1].finish_reason == "abort" and not timed.errors
+    # Expired at the first sweep past the timeout (arrival + 33 ticks), aborted within two steps of it.
+    assert arrival + 1.0 < timed.done_at <= arrival + 1.0 + 3 * TICK
+    assert len(timed.outputs[-1].token_ids) <= 35 < LONG.max_tokens
+    check_complete(untimed, LONG.max_tokens)
 
 
 def test_merged_outputs_join_their_deltas() -> None:
@@ -142,40 +168,38 @@ def test_serving_settings_are_checked(tmp_path: Path, settings: dict, message: s
         load_settings(tmp_path)
 
 
-def test_a_cancel_is_seen_within_the_documented_bound_with_64_streams(engine: LLMEngine) -> None:
-    """is_cancelled() is budgeted (CANCEL_CHECKS_PER_S round robin, each request at most every
-    CANCEL_MIN_INTERVAL_S): with N streams a cancel is seen within max(0.1 s, N / 50 s), 1.28 s at 64, plus a
-    sweep and a step. Each poll here costs 0.75 ms, as a round trip to tritonserver does."""
-    from tritium.backend.serving.engine_loop import CANCEL_CHECKS_PER_S, CANCEL_MIN_INTERVAL_S
-
-    class PolledSink(SlowSink):
-        def is_cancelled(self) -> bool:
-            time.sleep(0.00075)
-            return self.cancelled
-
+def test_a_cancel_is_seen_within_the_documented_bound_with_64_streams(engine: LLMEngine,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """is_cancelled() is budgeted (CANCEL_CHECKS_PER_S a second of the clock, the least recently asked first,
+    each request at most every CANCEL_MIN_INTERVAL_S): with N streams a cancel is seen within
+    max(0.1 s, N / 50 s), 1.28 s at 64, plus a sweep. Here the clock is the test's, a sweep per tick."""
     n = 64
-    sinks = [PolledSink(0.0) for _ in range(n)]
-    loop = EngineLoop(engine)
-    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
-    jobs = [Job(request_id=f"c{i}", params=params, sink=sink, prompt="Once upon a time") for i, sink in
-            enumerate(sinks)]
-    latencies = []
-    loop.start()
-    try:
-        for j in jobs:
-            loop.submit(j)
-        assert all(wait_for(lambda s=s: bool(s.outputs), 60, 0.01) for s in sinks)
-        for sink in sinks[::13]:  # five of them, one after another
-            cancelled_at = time.monotonic()
+    clock = FakeClock()
+    sinks = [PolledSink(clock) for _ in range(n)]
+    with Lockstep(engine, monkeypatch, clock) as run:
+        for i, sink in enumerate(sinks):
+            run.loop.submit(Job(request_id=f"c{i}", params=ENDLESS, sink=sink, prompt="Once upon a time"))
+        while not all(len(s.asks) >= 2 for s in sinks) and run.ticks < 400:  # all streaming, in the round robin
+            run.tick(TICK)
+        cancelled = sinks[::13]  # five of them, at once
+        for sink in cancelled:
             sink.cancelled = True
-            assert sink.done.wait(10)
-            latencies.append(sink.done_at - cancelled_at)
-            assert sink.outputs[-1].finish_reason == "abort"
-    finally:
-        loop.stop()
+        cancelled_at = clock.now
+        while not all(s.done.is_set() for s in cancelled) and run.ticks < 800:
+            run.tick(TICK)
     bound = max(CANCEL_MIN_INTERVAL_S, n / CANCEL_CHECKS_PER_S)
-    print(f"cancel seen after (s), 64 streams: {', '.join(f'{t:.2f}' for t in latencies)}; bound {bound:.2f}")
-    # + a sweep and a step, and the loop thread waiting for a core: CI's two test workers on a 2-core host once
-    # stretched one of five to bound + 0.72 s (a budget that stopped working would miss it by seconds)
-    assert max(latencies) < bound + 1.0, latencies
-
+    for sink in cancelled:
+        (seen_at, _), = [ask for ask in sink.asks if ask[1]]
+        assert sink.asks[-1] == (seen_at, True)  # never asked again
+        assert cancelled_at < seen_at <= cancelled_at + bound + TICK, (seen_at - cancelled_at, bound)
+        assert sink.done_at <= seen_at + 2 * TICK and sink.outputs[-1].finish_reason == "abort"
+    for sink in sinks:
+        times = [t for t, _ in sink.asks]
+        assert all(later - earlier >= CANCEL_MIN_INTERVAL_S for earlier, later in pairwise(times))
+    # Never more than CANCEL_CHECKS_PER_S asks within one second of the clock, and the budget is used: every
+    # second after the first, exactly that many.
+    asks = sorted(t for s in sinks for t, _ in s.asks)
+    assert all(later - earlier >= 1.0 for earlier, later in zip(asks, asks[CANCEL_CHECKS_PER_S:], strict=False))
+    start = asks[0]
+    per_second = [sum(1 for t in asks if start + k <= t < start + k + 1) for k in range(1, int(asks[-1] - start))]
+    assert per_second and set(per_second) == {CANCEL_CHECKS_PER_S}, per_second

@@ -419,7 +419,7 @@ def test_text_model_execute_submits_good_requests_and_answers_bad_ones(default_m
     model.execute([plain, bad, chat])
     assert [j.request_id for j in model.loop.jobs] == ["req-0", "req-2"]
     assert model.loop.jobs[0].prompt == "Once upon a time" and model.loop.jobs[0].params.max_tokens == 5
-    assert model.loop.jobs[0].deadline is None
+    assert model.loop.jobs[0].timeout_s is None
     (error, flags), = bad.sender.sent
     assert flags == 1 and "max_tokens must be >= 1, got 0 (request id req-1)" in error.error.message
     job = model.loop.jobs[1]
@@ -428,14 +428,14 @@ def test_text_model_execute_submits_good_requests_and_answers_bad_ones(default_m
     assert job.sink.request.exclude_input_in_output  # a chat reply comes alone unless asked otherwise
 
 
-def test_ids_model_execute_submits_token_ids_with_a_deadline() -> None:
+def test_ids_model_execute_submits_token_ids_with_a_timeout() -> None:
     model = _model(ids_model, None, list(_config_inputs("tritium_ids")), ids_model.DEFAULT_TIMEOUT_S)
     request = FakeRequest({"input_ids": np.array([3, 4], dtype=np.int32), "top_k": np.array([2], dtype=np.int32)})
     empty = FakeRequest({})
     model.execute([request, empty])
     (job,) = model.loop.jobs
     assert job.request_id == "ids-0" and job.prompt_token_ids == [3, 4] and job.prompt is None
-    assert job.params.top_k == 2 and job.deadline == pytest.approx(job.arrival + 300)
+    assert job.params.top_k == 2 and job.timeout_s == 300
     (error, flags), = empty.sender.sent
     assert flags == 1 and "input_ids is required and must not be empty (request id ids-1)" in error.error.message
 
