@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -24,12 +24,16 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _UNSUPPORTED = {
     "use_dora": "DoRA (use_dora)",
     "modules_to_save": "modules_to_save (fully trained extra modules)",
-    "layers_to_transform": "layers_to_transform",
     "rank_pattern": "rank_pattern (per-module ranks)",
     "alpha_pattern": "alpha_pattern (per-module alphas)",
     "fan_in_fan_out": "fan_in_fan_out",
     "target_parameters": "target_parameters",
+    "layer_replication": "layer_replication",
+    "alora_invocation_tokens": "alora_invocation_tokens (activated LoRA)",
+    "use_qalora": "QALoRA (use_qalora)",
+    "lora_bias": "lora_bias (a bias in lora_B)",
 }
+_PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha's default: a config without lora_alpha was trained with it
 
 
 class LoraAdapterError(ValueError):
@@ -76,8 +80,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return raw
 
 
-def _check_config(folder: Path, raw: dict[str, Any], max_rank: int) -> tuple[int, float, set[str]]:
-    """The rank, the scaling and the target modules `raw` declares. Raises LoraAdapterError naming what is wrong."""
+def _check_config(folder: Path, raw: dict[str, Any], max_rank: int) -> tuple[int, float]:
+    """The rank and the scaling `raw` declares. Raises LoraAdapterError naming what is wrong."""
     where = f"LoRA adapter {folder}"
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoraAdapterError(f"{where}: peft_type {raw.get('peft_type')!r} is not supported (only LORA)")
@@ -91,23 +95,111 @@ def _check_config(folder: Path, raw: dict[str, Any], max_rank: int) -> tuple[int
         raise LoraAdapterError(f"{where}: r must be an integer >= 1, got {rank!r}")
     if rank > max_rank:
         raise LoraAdapterError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
-    alpha = raw.get("lora_alpha", rank)
+    alpha = raw.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise LoraAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
-    targets = raw.get("target_modules") or []
-    if targets == "all-linear":
-        targets = list(MODULES)
-    if isinstance(targets, str):
-        targets = [targets]
-    unknown = sorted(set(targets) - set(MODULES))
-    if unknown:
-        raise LoraAdapterError(f"{where}: unknown target module(s) {', '.join(unknown)}; "
-                               f"supported: {', '.join(MODULES)}")
-    return rank, float(scaling), set(targets)
+    return rank, float(scaling)
 
 
-def _read_weights(folder: Path, config: ModelConfig, rank: int, targets: set[str],
+def _module_names(config: ModelConfig) -> list[str]:
+    """PEFT's name of each module an adapter may target in a model of `config`, as LlamaForCausalLM names it
+    (`model.layers.3.self_attn.q_proj`)."""
+    return [f"model.layers.{layer}.{_PARENT[m]}.{m}" for layer in range(config.num_hidden_layers) for m in MODULES]
+
+
+def _str_or_list(where: str, entry: str, value: object) -> str | list[str] | None:
+    """`value` of config `entry`, one of PEFT's forms: None, a string or a list of strings."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise LoraAdapterError(f"{where}: {entry} must be a string or a list of strings, got {value!r}")
+
+
+def _regex(where: str, entry: str, pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise LoraAdapterError(f"{where}: {entry} {pattern!r} is not a valid regular expression ({e})") from e
+
+
+def _listed(entries: list[str], name: str) -> bool:
+    """PEFT's rule for a list of module names: `name` is one of them, or ends with a dot and one of them."""
+    return any(name == e or name.endswith(f".{e}") for e in entries)
+
+
+def _left_out(folder: Path, raw: dict[str, Any], config: ModelConfig) -> dict[str, str]:
+    """The modules of a model of `config` (named as _module_names names them) that the adapter config `raw` does
+    not apply to, each with why, as PEFT reads target_modules (a list of names or name suffixes, "all-linear", or
+    any other string: a regex the whole name must match), exclude_modules (the same forms), layers_to_transform
+    (an int: that layer; a list: those layers) and layers_pattern. No target_modules (or an empty list) leaves
+    the choice of modules to the weights. Raises LoraAdapterError naming what cannot be served."""
+    where = f"LoRA adapter {folder}"
+    names = _module_names(config)
+    targets = _str_or_list(where, "target_modules", raw.get("target_modules"))
+    exclude = _str_or_list(where, "exclude_modules", raw.get("exclude_modules"))
+    pattern = _str_or_list(where, "layers_pattern", raw.get("layers_pattern"))
+    layers = raw.get("layers_to_transform")
+    if isinstance(targets, str) and (layers is not None or pattern is not None):
+        raise LoraAdapterError(f"{where}: layers_to_transform and layers_pattern cannot be used with a "
+                               f"target_modules string ({targets!r})")
+    if pattern and layers is None:
+        raise LoraAdapterError(f"{where}: layers_pattern needs layers_to_transform")
+    left_out: dict[str, str] = {}
+    if isinstance(targets, str) and targets.lower() != "all-linear":
+        regex = _regex(where, "target_modules", targets)
+        left_out = {n: "not matched by target_modules" for n in names if regex.fullmatch(n) is None}
+        if len(left_out) == len(names):
+            raise LoraAdapterError(f"{where}: target_modules {targets!r} matches none of this model's modules "
+                                   f"(named like model.layers.0.self_attn.q_proj; supported: {', '.join(MODULES)})")
+    elif isinstance(targets, list):
+        unknown = sorted(e for e in targets if not any(_listed([e], n) for n in names))
+        if unknown:
+            raise LoraAdapterError(f"{where}: unknown target module(s) {', '.join(unknown)}; "
+                                   f"supported: {', '.join(MODULES)}")
+        left_out = {n: "not in target_modules" for n in names if targets and not _listed(targets, n)}
+    if layers is not None and layers != []:  # PEFT: an empty list leaves no layer out
+        left_out.update(_left_out_layers(where, names, layers, pattern, config.num_hidden_layers))
+    if isinstance(exclude, str):
+        regex = _regex(where, "exclude_modules", exclude)
+        left_out.update({n: "in exclude_modules" for n in names if regex.fullmatch(n) is not None})
+    elif exclude:
+        left_out.update({n: "in exclude_modules" for n in names if _listed(exclude, n)})
+    if len(left_out) == len(names):
+        raise LoraAdapterError(f"{where}: the config leaves out every module of this model "
+                               f"({', '.join(sorted(set(left_out.values())))})")
+    return left_out
+
+
+def _left_out_layers(where: str, names: list[str], layers: object, pattern: str | list[str] | None,
+                     num_layers: int) -> dict[str, str]:
+    """The modules of `names` that layers_to_transform `layers` leaves out, each module's layer found as PEFT
+    finds it: the number after the first two name segments, or after a segment that a layers_pattern matches."""
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        chosen = {layers}
+    elif isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        chosen = set(layers)
+    else:
+        raise LoraAdapterError(f"{where}: layers_to_transform must be an integer or a list of integers, "
+                               f"got {layers!r}")
+    beyond = sorted(i for i in chosen if not 0 <= i < num_layers)
+    if beyond:
+        raise LoraAdapterError(f"{where}: layers_to_transform names layer(s) {', '.join(map(str, beyond))}; "
+                               f"the model has {num_layers} layers")
+    if not pattern:
+        finders = [re.compile(r"[^.]*\.[^.]*\.(?P<idx>\d+)\.")]
+    else:
+        finders = [_regex(where, "layers_pattern", rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.")
+                   for p in ([pattern] if isinstance(pattern, str) else pattern)]
+    found = {n: next((int(m["idx"]) for f in finders if (m := f.match(n))), None) for n in names}
+    if all(i is None for i in found.values()):
+        raise LoraAdapterError(f"{where}: layers_pattern {pattern!r} matches no layer list of this model "
+                               f"(its layers are model.layers)")
+    return {n: f"not in layers_to_transform ({layers})" for n, i in found.items() if i not in chosen}
+
+
+def _read_weights(folder: Path, config: ModelConfig, rank: int, left_out: dict[str, str],
                   dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     where = f"LoRA adapter {folder}"
     path = folder / "adapter_model.safetensors"
@@ -124,11 +216,15 @@ def _read_weights(folder: Path, config: ModelConfig, rank: int, targets: set[str
                 raise LoraAdapterError(f"{where}: tensor {key} is not a LoRA weight of a supported module "
                                        f"({', '.join(MODULES)})")
             layer, parent, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-            if _PARENT.get(module) != parent or (targets and module not in targets):
+            if _PARENT.get(module) != parent:
                 raise LoraAdapterError(f"{where}: tensor {key} targets an unknown module {parent}.{module}")
             if layer >= config.num_hidden_layers:
                 raise LoraAdapterError(f"{where}: tensor {key} names layer {layer}; the model has "
                                        f"{config.num_hidden_layers} layers")
+            name = f"model.layers.{layer}.{parent}.{module}"
+            if name in left_out:
+                raise LoraAdapterError(f"{where}: tensor {key} is present in the weights but its module {name} is "
+                                       f"{left_out[name]}")
             tensor = st.get_tensor(key)
             d_in, d_out = shapes[module]
             want = (rank, d_in) if which == "A" else (d_out, rank)
@@ -168,6 +264,7 @@ def load_adapter(name: str, folder: str | Path, config: ModelConfig, max_rank: i
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise LoraAdapterError(f"LoRA adapter {name!r}: {folder} is not a folder")
-    rank, scaling, targets = _check_config(folder, _read_config(folder), max_rank)
-    weights = _read_weights(folder, config, rank, targets, dtype)
+    raw = _read_config(folder)
+    rank, scaling = _check_config(folder, raw, max_rank)
+    weights = _read_weights(folder, config, rank, _left_out(folder, raw, config), dtype)
     return LoraAdapter(name, folder, rank, scaling, weights, content_hash(rank, scaling, weights))

@@ -8,6 +8,7 @@ repeating a bad schema costs nothing. A compile that ran out of time is not a ve
 when it finishes later its matcher is. The limit counts the compile's own CPU time, not the wall clock: on a
 busy host the low-priority compile threads get little CPU, and a constraint is refused for what it costs, not
 for how busy the host is (a wall-clock cap of MAX_WAIT_FACTOR times the limit still answers every request).
+The wall clock is the compiler's `clock` (time.monotonic unless given): it times that cap and `stats.compile_s`.
 
 The cache is bounded by bytes, not entries: a compiled matcher's memory grows with its source (measured at up
 to ~220 bytes per byte of schema for many optional properties; a few bytes per byte for enums), so each entry
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 COMPILE_WORKERS = 2
 MAX_WAIT_FACTOR = 6  # however busy the host, a request waits at most this many time limits for its compile
+MIN_RECHECK_S = 0.25  # a request's timer, rearmed while its compile may go on, waits at least this long
 COMPILE_NICE = 15  # below the tokenizer thread's 10: tokenizing a prompt is quicker and more urgent
 MATCHER_BYTES_PER_SOURCE_BYTE = 256
 MATCHER_BASE_BYTES = 64 << 10
@@ -71,20 +73,85 @@ def estimated_bytes(spec: StructuredOutput) -> int:
     return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_SOURCE_BYTE * spec.source_bytes
 
 
+class TimedCallback:
+    """A request's callback, called once: by its compile (`answer`), or with a time-limit refusal once the
+    compile has used `timeout_s` of CPU (`cpu_used`; None: the compile has not started) or once MAX_WAIT_FACTOR
+    times that has passed on `clock`. A timer checks at the limit, and again while the compile may still go on."""
+
+    def __init__(self, timeout_s: float, spec: StructuredOutput, callback: CompileCallback, stats: CompileStats,
+                 cpu_used: Callable[[], float | None], clock: Callable[[], float]) -> None:
+        self.timeout_s = timeout_s
+        self.spec = spec
+        self.stats = stats
+        self._cpu_used = cpu_used
+        self._clock = clock
+        self._started = clock()
+        self._lock = threading.Lock()
+        # self -> timer -> self is a reference cycle; emptying `_pending` on the first call lets the callback
+        # (and the request it captures) go at once instead of at the next garbage collection.
+        self._pending = [callback]
+        self._timer: threading.Timer | None = None
+        self._arm(timeout_s)
+
+    def answer(self, matcher: llguidance.LLMatcher | None, error: str | None) -> None:
+        """Call the callback with the compile's result, unless it was called already."""
+        callback = self._take()
+        if callback is not None:
+            callback(matcher, error)
+
+    def check(self) -> bool:
+        """Refuse the request if its compile is over the time limit now. Returns whether it has been answered."""
+        used, waited = self._cpu_used(), self._clock() - self._started
+        if waited < MAX_WAIT_FACTOR * self.timeout_s and (used is None or used < self.timeout_s):
+            with self._lock:
+                return not self._pending
+        callback = self._take()
+        if callback is not None:
+            self.stats.timeouts += 1
+            callback(None, f"structured_output.{self.spec.kind} did not compile within {self.timeout_s:g} s; "
+                           "simplify it")
+        return True
+
+    def _take(self) -> CompileCallback | None:
+        """The callback, the first time only; its timer is cancelled."""
+        with self._lock:
+            if not self._pending:
+                return None
+            callback = self._pending.pop()
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        return callback
+
+    def _arm(self, delay_s: float) -> None:
+        timer = threading.Timer(delay_s, self._expired)
+        timer.daemon = True
+        with self._lock:
+            if not self._pending:
+                return
+            self._timer = timer
+        timer.start()
+
+    def _expired(self) -> None:
+        if not self.check():  # not started, or the host is busy: it had less CPU than the limit
+            self._arm(max(self.timeout_s - (self._cpu_used() or 0.0), MIN_RECHECK_S))
+
+
 class GrammarCompiler:
     """Matchers for one tokenizer. Thread-safe: any thread may compile; matchers it returns are the caller's."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
         self.cache_bytes = cache_bytes
+        self.clock = clock
         self.stats = CompileStats()
         self._tokenizer_json = tokenizer.hf.to_str()
         self._eos = list(eos_token_ids)
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
         self._cached_bytes = 0
-        self._compiling: dict[StructuredOutput, list[CompileCallback]] = {}  # waiters of compiles under way
+        self._compiling: dict[StructuredOutput, list[TimedCallback]] = {}  # waiters of compiles under way
         self._running: dict[StructuredOutput, tuple[int, float]] = {}  # a running compile's CPU clock and start
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="tritium-grammar",
@@ -142,34 +209,42 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.stats.cache_hits += 1
             elif spec in self._compiling:  # the same constraint is being compiled: wait for that compile
-                self._compiling[spec].append(self._once_within(spec, callback))
+                self._compiling[spec].append(self._timed(spec, callback))
                 return
             else:
-                self._compiling[spec] = [self._once_within(spec, callback)]
+                self._compiling[spec] = [self._timed(spec, callback)]
         if entry is not None:
             _answer(callback, entry.value)
             return
         self._pool.submit(self._compile_and_answer, spec)
 
     def _compile_and_answer(self, spec: StructuredOutput) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             tokenizer = self.ll_tokenizer  # built once per engine: not counted against a request's limit
-            clock = _thread_cpu_clock()
-            if clock is not None:
+            cpu_clock = _thread_cpu_clock()
+            if cpu_clock is not None:
                 with self._lock:
-                    self._running[spec] = (clock, time.clock_gettime(clock))
+                    self._running[spec] = (cpu_clock, time.clock_gettime(cpu_clock))
             value = _compile(tokenizer, spec)
         except Exception as exc:  # llguidance failed in a way it does not report as a grammar error
             value = f"structured_output.{spec.kind} could not be compiled: {_summary(str(exc))}"
         with self._lock:
             self._running.pop(spec, None)
             self.stats.compiled += 1
-            self.stats.compile_s += time.perf_counter() - t0
+            self.stats.compile_s += self.clock() - t0
             self._store(spec, value)
             waiters = self._compiling.pop(spec, [])
-        for callback in waiters:
-            _answer(callback, value)
+        for waiter in waiters:
+            _answer(waiter.answer, value)
+
+    def check_time_limits(self) -> None:
+        """Refuse now every waiting request whose compile is over the time limit (each request's timer does this
+        at its limit and after; calling it at any time refuses nothing early)."""
+        with self._lock:
+            waiters = [waiter for waiting in self._compiling.values() for waiter in waiting]
+        for waiter in waiters:
+            waiter.check()
 
     def compile_cpu_s(self, spec: StructuredOutput) -> float | None:
         """The CPU seconds the compile of `spec` has used so far; None while it waits for a thread (and where
@@ -184,8 +259,8 @@ class GrammarCompiler:
         except OSError:  # the thread finished meanwhile
             return None
 
-    def _once_within(self, spec: StructuredOutput, callback: CompileCallback) -> CompileCallback:
-        return _once_within(self.timeout_s, spec, callback, self.stats, lambda: self.compile_cpu_s(spec))
+    def _timed(self, spec: StructuredOutput, callback: CompileCallback) -> TimedCallback:
+        return TimedCallback(self.timeout_s, spec, callback, self.stats, lambda: self.compile_cpu_s(spec), self.clock)
 
     def _store(self, spec: StructuredOutput, value: llguidance.LLMatcher | str) -> None:
         """Cache `value` (lock held), evicting the least recently used entries beyond `cache_bytes`."""
@@ -233,50 +308,6 @@ def _thread_cpu_clock() -> int | None:
         return time.pthread_getcpuclockid(threading.get_ident())
     except (AttributeError, OSError):
         return None
-
-
-def _once_within(timeout_s: float, spec: StructuredOutput, callback: CompileCallback, stats: CompileStats,
-                 cpu_used: Callable[[], float | None]) -> CompileCallback:
-    """`callback`, called once: by the compile, or with a time-limit refusal once the compile has used
-    `timeout_s` of CPU (`cpu_used`; None: the compile has not started) or once MAX_WAIT_FACTOR times that has
-    passed on the wall clock."""
-    lock = threading.Lock()
-    # once -> timer -> expired -> once is a reference cycle; emptying `pending` on the first call lets the
-    # callback (and the request it captures) go at once instead of at the next garbage collection.
-    pending = [callback]
-    timers: list[threading.Timer] = []
-    started = time.monotonic()
-
-    def arm(delay_s: float) -> None:
-        timer = threading.Timer(delay_s, expired)
-        timer.daemon = True
-        timers[:] = [timer]
-        timer.start()
-
-    def once(matcher: llguidance.LLMatcher | None, error: str | None) -> None:
-        with lock:
-            if not pending:
-                return
-            answer = pending.pop()
-            timer = timers.pop() if timers else None
-        if timer is not None:
-            timer.cancel()
-        answer(matcher, error)
-
-    def expired() -> None:
-        used = cpu_used()
-        waited = time.monotonic() - started
-        with lock:
-            if not pending:
-                return
-            if waited < MAX_WAIT_FACTOR * timeout_s and (used is None or used < timeout_s):
-                arm(max(timeout_s - (used or 0.0), 0.25))  # not started, or the host is busy: it had less CPU
-                return
-        stats.timeouts += 1
-        once(None, f"structured_output.{spec.kind} did not compile within {timeout_s:g} s; simplify it")
-
-    arm(timeout_s)
-    return once
 
 
 def _compile(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> llguidance.LLMatcher | str:

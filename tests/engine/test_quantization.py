@@ -1,14 +1,12 @@
-"""int8 and int4 weight-only quantization (models/quantization.py, int4.py): refusals, the quantized linear against
-its fp32 reference, LoRA on a quantized base, and the measured accuracy of the default model against fp32 (greedy
-agreement, perplexity). Int4Linear's own tests are in tests/unit/test_int4.py.
+"""int8 and int4 weight-only quantization (models/quantization.py, layers/int8_linear.py, int4_linear.py):
+refusals, the quantized linear against its fp32 reference, LoRA on a quantized base, and the accuracy of quantized
+models against fp32. Int4Linear's own tests are in tests/unit/test_int4.py.
 
-Thresholds come from measurements on the development host (AVX512-BF16, the cpu_bf16 path; README,
-"Quantization"): mean matching prefix 17.5 of 32 tokens (first divergences 26, -, 5, 3, 1, 19, 22, -: the
-135M model has near-ties), perplexity +0.62% (the cpu_fp32 and dequant paths, fp32 activations: +0.56%).
-int4 (groups of 32, int8 logits head; README, "Quantization"): mean matching prefix 20.4 of 32 (first divergences
-5, -, 5, 3, -, -, 22, -), perplexity +0.31%. The default checkpoint comes from a Q4_1 GGUF (4-bit, groups of 32),
-which int4's groups of 32 reproduce almost exactly: these figures do not carry over to other checkpoints.
-The prefix bounds leave a margin for other CPUs' rounding; the perplexity bound is the issue's 1%.
+Accuracy bounds come from a reference each test computes: the same checkpoint with its weights through the scheme
+in plain torch (support/quantization.py), run unquantized in fp32, so it carries the scheme's own rounding error
+and nothing else. The engine's quantized model must be at least as close to that reference as the reference is
+to fp32: what the engine adds (bf16 activations, packed kernels) must stay below what the scheme itself costs,
+whatever the CPU. A wrong scale, zero or rounding moves the engine's model away from the reference by more.
 """
 
 from __future__ import annotations
@@ -20,25 +18,18 @@ import pytest
 import torch
 
 from tritium.backend import LLM, EngineConfig, SamplingParams
-from tritium.backend.models.config import ModelConfig
-from tritium.backend.models.int4 import Int4Linear
+from tritium.backend.layers.int4_linear import Int4Linear
+from tritium.backend.layers.int8_linear import PATHS, Int8Linear, quantize_per_channel
+from tritium.backend.model_config import ModelConfig
+from tritium.backend.models.llama import PROJECTIONS
 from tritium.backend.models.loader import load_model
-from tritium.backend.models.quantization import (
-    LAYER_PROJECTIONS,
-    PATHS,
-    Int8Linear,
-    QuantizationOptions,
-    quantize_per_channel,
-)
+from tritium.backend.models.quantization import QuantizationOptions
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client.bench.accuracy import TEXT, agreement, greedy_tokens, perplexity, sequence_logits
 
 from support.lora import write_adapter
-
-MIN_MEAN_MATCHING_PREFIX = 12.0  # of 32 greedy tokens, over the 8 prompts (measured 17.5)
-MIN_MEAN_MATCHING_PREFIX_INT4 = 15.0  # int4 (measured 20.4: the default checkpoint is Q4_1 in groups of 32)
-MAX_PERPLEXITY_INCREASE = 0.01  # relative to fp32 (measured int8 +0.62%, int4 +0.31%)
+from support.quantization import write_quantized_reference
 
 
 @pytest.mark.parametrize("value", ["nf4", "fp8", "INT8", "awq", 8])
@@ -85,10 +76,14 @@ def test_int8_linear_odd_reduction_uses_dequant() -> None:
     assert Int8Linear(torch.randn(8, 40), None).path == "dequant"  # the packed CPU op needs K % 32 == 0
 
 
-@pytest.mark.parametrize(("scheme", "layer_class", "min_cosine"),
-                         [("int8", Int8Linear, 0.99), ("int4", Int4Linear, 0.5)])  # random weights: int4 0.69
+def worst_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The lowest cosine similarity between matching rows of `a` and `b`."""
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+
+
+@pytest.mark.parametrize(("scheme", "layer_class"), [("int8", Int8Linear), ("int4", Int4Linear)])
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])  # untied head; tied + q/k/v bias
-def test_tiny_models_quantize_every_projection(fixture: str, scheme: str, layer_class: type, min_cosine: float,
+def test_tiny_models_quantize_every_projection(fixture: str, scheme: str, layer_class: type, tmp_path: Path,
                                                request: pytest.FixtureRequest) -> None:
     folder = request.getfixturevalue(fixture)
     cpu = torch.device("cpu")
@@ -96,11 +91,14 @@ def test_tiny_models_quantize_every_projection(fixture: str, scheme: str, layer_
     quant = load_model(folder, torch.float32, cpu, max_positions=64, quantization=scheme)
     # the logits head is int8 for both (HEAD_SCHEMES); with tied embeddings it is a copy of the embedding
     assert quant.quantization == scheme and quant.lm_head is None and isinstance(quant.packed_lm_head, Int8Linear)
-    assert all(isinstance(getattr(layer, name), layer_class) for layer in quant.layers for name in LAYER_PROJECTIONS)
+    assert all(isinstance(getattr(layer, name), layer_class) for layer in quant.layers for name in PROJECTIONS)
     assert quant.embed_tokens.weight.dtype == torch.float32  # the lookup stays unquantized
+    reference = load_model(write_quantized_reference(folder, tmp_path / "ref", scheme), torch.float32, cpu,
+                           max_positions=64)
     ids = list(range(100, 140))
-    want, got = sequence_logits(fp32, ids), sequence_logits(quant, ids)
-    assert float(torch.nn.functional.cosine_similarity(want, got, dim=-1).min()) > min_cosine
+    want, ref, got = (sequence_logits(model, ids) for model in (fp32, reference, quant))
+    # random weights: the scheme alone costs much (int4 ~0.7 cosine); the engine adds far less
+    assert 1 - worst_cosine(ref, got) <= 1 - worst_cosine(want, ref), (worst_cosine(ref, got), worst_cosine(want, ref))
 
 
 def test_int4_model_matches_its_dequantized_weights(tiny_qwen2_path: Path) -> None:
@@ -157,25 +155,35 @@ def test_load_model_refuses_unknown_scheme(tiny_llama_path: Path) -> None:
         load_model(tiny_llama_path, torch.float32, torch.device("cpu"), quantization="nf4")
 
 
-@pytest.mark.slow  # greedy agreement and perplexity on the default model (~40 s each)
-@pytest.mark.parametrize(("scheme", "layer_class", "min_prefix"), [
-    ("int8", "Int8Linear", MIN_MEAN_MATCHING_PREFIX), ("int4", "Int4Linear", MIN_MEAN_MATCHING_PREFIX_INT4)])
-def test_accuracy_against_fp32(scheme: str, layer_class: str, min_prefix: float, make_llm: Callable[..., LLM],
-                               default_model_path: Path) -> None:
-    """Greedy agreement over 8 prompts x 32 tokens and the perplexity of a fixed text, quantized against fp32."""
+@pytest.mark.slow  # greedy agreement and perplexity of the default model: fp32, the reference, quantized
+@pytest.mark.parametrize(("scheme", "layer_class"), [("int8", "Int8Linear"), ("int4", "Int4Linear")])
+def test_accuracy_against_fp32(scheme: str, layer_class: str, make_llm: Callable[..., LLM], default_model_path: Path,
+                               tmp_path: Path) -> None:
+    """Greedy agreement over 8 prompts x 32 tokens and the perplexity of a fixed text, of the engine's quantized
+    model against the scheme's plain-torch reference and of that reference against fp32. (The default checkpoint
+    comes from a Q4_1 GGUF, 4-bit in groups of 32, which int4 reproduces almost exactly: int4's reference differs
+    from fp32 by the bf16 rounding of its steps and offsets, and by the int8 head.)"""
     ids = Tokenizer(default_model_path).encode(TEXT)
-    runs, ppl = [], []
-    for q in (None, scheme):
-        llm = make_llm(quantization=q, max_num_seqs=8, max_num_batched_tokens=256)
-        runs.append(greedy_tokens(llm, 32))
+    reference = write_quantized_reference(default_model_path, tmp_path / "reference", scheme)
+    runs, ppl = {}, {}
+    for name, folder, q in (("fp32", default_model_path, None), ("reference", reference, None),
+                            (scheme, default_model_path, scheme)):
+        llm = make_llm(str(folder), quantization=q, max_num_seqs=8, max_num_batched_tokens=256)
+        runs[name] = greedy_tokens(llm, 32)
         model = llm.engine.worker.runner.model
         if q is not None:
             assert type(model.layers[0].qkv_proj).__name__ == layer_class
             assert type(model.packed_lm_head).__name__ == "Int8Linear"  # int4's head too (HEAD_SCHEMES)
-        ppl.append(perplexity(model, ids))
-    agree = agreement(runs[0], runs[1])
-    increase = ppl[1] / ppl[0] - 1
-    print(f"mean matching prefix {agree.mean_matching_prefix:.2f}/32, first divergences {agree.first_divergence}, "
-          f"perplexity fp32 {ppl[0]:.4f} {scheme} {ppl[1]:.4f} ({increase:+.2%})")
-    assert agree.mean_matching_prefix >= min_prefix, agree
-    assert abs(increase) <= MAX_PERPLEXITY_INCREASE, (ppl, increase)
+        ppl[name] = perplexity(model, ids)
+    scheme_agree, engine_agree = agreement(runs["fp32"], runs["reference"]), agreement(runs["reference"], runs[scheme])
+    scheme_change, engine_change = ppl["reference"] / ppl["fp32"] - 1, ppl[scheme] / ppl["reference"] - 1
+    print(f"mean matching prefix of 32: reference/fp32 {scheme_agree.mean_matching_prefix:.2f} "
+          f"{scheme}/reference {engine_agree.mean_matching_prefix:.2f}; perplexity fp32 {ppl['fp32']:.4f}, "
+          f"reference {ppl['reference']:.4f} ({scheme_change:+.3%}), {scheme} {ppl[scheme]:.4f} ({engine_change:+.3%} "
+          f"on the reference, {ppl[scheme] / ppl['fp32'] - 1:+.3%} on fp32)")
+    # Perplexity averages over the whole text: the engine's change must stay below the scheme's. A greedy prefix
+    # ends at the first near-tie either perturbation flips, and 8 prompts make a coarse mean: the engine may flip
+    # them up to twice as often as the scheme does (int4's scheme, on a checkpoint already in 4-bit groups, flips
+    # about as few as bf16 activations do), which still fails a model that decodes garbage after a few tokens.
+    assert abs(engine_change) <= abs(scheme_change), ppl
+    assert engine_agree.mean_matching_prefix >= scheme_agree.mean_matching_prefix / 2, (scheme_agree, engine_agree)

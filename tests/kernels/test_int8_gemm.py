@@ -7,13 +7,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_kernels import TOL, bf16_dot  # noqa: F401  (bf16_dot: an autouse fixture, upcasts the interpreter's bf16 dot)
 
-from tritium.backend.models.quantization import Int8Linear, quantize_per_channel
+from tritium.backend.layers.int8_linear import Int8Linear, quantize_per_channel
 from tritium.kernels import reference as ref
 from tritium.kernels import triton_ops as tri
 from tritium.kernels.int8_gemm import int8_gemm_config
 from tritium.kernels.warmup import EngineShape, warmup_calls
+
+from support.triton_interpreter import TOL
+
+pytestmark = pytest.mark.usefixtures("bf16_dot")  # these kernels multiply bf16 (tests/kernels/conftest.py)
 
 
 def run(m: int, n: int, k: int, dtype: torch.dtype, tiles: str, strided: bool = False) -> None:

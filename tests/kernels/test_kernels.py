@@ -1,38 +1,21 @@
 """The Triton kernels (under TRITON_INTERPRET=1) against the torch references.
 
-bf16: the interpreter holds bf16 as raw bits and `tl.dot` on them is garbage, so the `bf16_dot`
-fixture (autouse) patches its dot to upcast bf16 operands to fp32 (all other bf16 math in the kernels is
-done after an explicit cast to fp32, which the interpreter converts correctly).
+bf16: the interpreter holds bf16 as raw bits and `tl.dot` on them is garbage, so every test here takes the
+`bf16_dot` fixture (tests/kernels/conftest.py), which upcasts bf16 operands of its dot to fp32.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from triton.runtime import interpreter
 
 from tritium.kernels import reference as ref
 from tritium.kernels import triton_ops as tri
 
 from support.builders import paged_setup
+from support.triton_interpreter import TOL
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
-        def up(x):  # type: ignore[no-untyped-def]
-            if x.dtype.scalar == interpreter.tl.bfloat16:
-                data = interpreter._convert_float(x.data, x.dtype.scalar, interpreter.tl.float32, None)
-                return interpreter.TensorHandle(data.view(np.float32), interpreter.tl.float32)
-            return x
-        return original(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+pytestmark = pytest.mark.usefixtures("bf16_dot")
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

@@ -8,12 +8,15 @@ import os
 
 import pytest
 import torch
-from test_kernels import TOL, bf16_dot  # noqa: F401  (bf16_dot: an autouse fixture, upcasts the interpreter's bf16 dot)
 
 from tritium.backend.lora.ops import LoraGroups, add_lora, add_lora_rows, lora_groups
 from tritium.kernels import reference as ref
 from tritium.kernels import triton_ops as tri
 from tritium.kernels.lora import lora_config, rank_tile
+
+from support.triton_interpreter import TOL
+
+pytestmark = pytest.mark.usefixtures("bf16_dot")  # these kernels multiply bf16 (tests/kernels/conftest.py)
 
 SLOTS, IN, OUT = 3, 40, 24
 # rows 1 and 5 have no adapter; slots out of order, one slot unused

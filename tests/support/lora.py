@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from tritium.backend.models.config import ModelConfig
+from tritium.backend.model_config import ModelConfig
 from tritium.client.bench.lora import peft_key, write_random_adapter
 
 # A model small enough to build by hand (unit tests): 2 layers, hidden 16, 4 heads of 4 (2 KV heads).
