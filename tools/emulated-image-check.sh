@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lent GPU machine's image emulated on a CPU (`make emulated-image-check`, run by CI after `make test`):
 # a separate venv build/emulated with the versions that matter there (triton 3.6, numpy 2, transformers 5; torch
-# is the CPU wheel of the project's pin) and none of the project's other dependencies; then the device
+# is the CPU wheel of constraints.txt's pin) and none of the project's other dependencies; then the device
 # command itself (tools/device-check.sh --smoke: carried wheels, package view, random checkpoints, the
 # interpreter) and the kernel compile check (sm_90) under triton 3.6. Needs .venv (make setup) for
 # the bundle's model files; PyPI for the venv and the wheels.
@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 python=${PYTHON:-python3}
 env=build/emulated
-requirements=("torch==2.13.0" "numpy>=2,<3" "transformers>=5,<6" "tokenizers" "safetensors")
+torch=$(grep -m1 '^torch==' constraints.txt)
+requirements=("$torch" "numpy>=2,<3" "transformers>=5,<6" "tokenizers" "safetensors")
 stamp="$env/.installed triton==3.6.0 ${requirements[*]}"
 if [ ! -f "$env/.installed" ] || [ "$(cat "$env/.installed")" != "$stamp" ]; then
     rm -rf "$env"

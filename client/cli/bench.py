@@ -1,8 +1,10 @@
 """`tritium bench ...`: each benchmark's options, and a thin adapter onto its library function in client/bench/.
 
-Every adapter imports its benchmark only when it runs, so `tritium --help` stays fast. `tritium bench aiperf`
-is forwarded whole to client/bench/aiperf.py, which declares its own options (`add_arguments(parser)`) and
-runs (`run(args) -> int`); that module is imported only when the subcommand runs.
+SCENARIOS, at the end, is the table the subcommands are registered from (in `tritium bench --help` order): each
+scenario's name, help, the function that adds its options and the one it runs. Every adapter imports its benchmark
+only when it runs, so `tritium --help` stays fast. `tritium bench aiperf` is forwarded whole to
+client/bench/aiperf.py, which declares its own options (`add_arguments(parser)`) and runs (`run(args) -> int`); that
+module is imported only when the subcommand runs.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tritium.client.cli import options
@@ -18,16 +22,29 @@ AIPERF_MODULE = "tritium.client.bench.aiperf"
 FORWARDED = "forwarded_args"  # the Namespace attribute that carries a forwarding subcommand's arguments
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """A `tritium bench` subcommand. `forwards`: it declares no options; everything after its name (--help too)
+    reaches `run` in the Namespace's FORWARDED attribute."""
+
+    name: str
+    help: str
+    add_options: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    forwards: bool = False
+
+
 def add_parser(subparsers: Any) -> None:
-    """Register `bench` and every `bench` subcommand on the top-level subparsers."""
+    """Register `bench` and a subcommand for each of SCENARIOS on the top-level subparsers."""
     bench = subparsers.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    for register in (_offline, _structured, _grammar_load, _kernels, _overhead, _serve, _interference, _cluster,
-                     _priority, _lora, _spec, _aiperf):
-        register(bench)
+    for scenario in SCENARIOS:
+        p = bench.add_parser(scenario.name, help=scenario.help, add_help=not scenario.forwards)
+        scenario.add_options(p)
+        p.set_defaults(func=scenario.run, **({FORWARDED: []} if scenario.forwards else {}))
 
 
-def _offline(bench: Any) -> None:
-    p = bench.add_parser("offline", help="offline throughput: tritium vs transformers")
+def offline_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench offline`'s options."""
     options.num_requests(p, 32)
     options.output_len(p, 128)
     p.add_argument("--min-prompt", type=int, default=32)
@@ -38,7 +55,6 @@ def _offline(bench: Any) -> None:
                    help="tritium's dtype (auto: float32 on a CPU, bfloat16 on CUDA)")
     options.quantization(p, help="tritium's weight-only quantization (int4: CPU only)")
     options.out_dir(p)
-    p.set_defaults(func=run_offline)
 
 
 def run_offline(args: argparse.Namespace) -> int:
@@ -52,15 +68,14 @@ def run_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora(bench: Any) -> None:
-    p = bench.add_parser("lora", help="multi-LoRA: throughput with 4 adapters + base vs base, load time, memory")
+def lora_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench lora`'s options."""
     options.num_requests(p, 32, help="requests submitted at once, round-robin over 4 adapters and the base model")
     options.output_len(p, 128)
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens (about)")
     p.add_argument("--repeats", type=int, default=4,
                    help="base / LoRA-mix run pairs, in ABBA order; the best of each and the pairs' median ratio")
     options.out_dir(p)
-    p.set_defaults(func=run_lora)
 
 
 def run_lora(args: argparse.Namespace) -> int:
@@ -72,9 +87,8 @@ def run_lora(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec(bench: Any) -> None:
-    p = bench.add_parser("spec", help="one stream with and without speculative decoding (n-gram, a draft model): ITL, "
-                       "acceptance")
+def spec_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench spec`'s options."""
     options.num_requests(p, 4, help="requests per workload, one at a time")
     options.output_len(p, 128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each workload and engine, alternating; the best")
@@ -86,7 +100,6 @@ def _spec(bench: Any) -> None:
                        help="also speculate with a draft made of the target's first N layers (written to --out-dir)")
     options.smoke(p, help="one request of 8 tokens, one repeat: checks the script")
     options.out_dir(p)
-    p.set_defaults(func=run_spec)
 
 
 def run_spec(args: argparse.Namespace) -> int:
@@ -99,14 +112,13 @@ def run_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def _structured(bench: Any) -> None:
-    p = bench.add_parser("structured", help="JSON-schema constrained decoding: throughput, compile and mask times")
+def structured_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench structured`'s options."""
     options.num_requests(p, 32, help="requests submitted at once")
     options.output_len(p, 256, help="max_tokens of every request")
     p.add_argument("--repeats", type=int, default=3, help="constrained / unconstrained runs, alternating")
     options.smoke(p, help="few requests and tokens, one repeat: checks the script")
     options.out_dir(p)
-    p.set_defaults(func=run_structured)
 
 
 def run_structured(args: argparse.Namespace) -> int:
@@ -118,15 +130,14 @@ def run_structured(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grammar_load(bench: Any) -> None:
-    p = bench.add_parser("grammar-load", help="memory of many large schemas; wait of a request behind large compiles")
+def grammar_load_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench grammar-load`'s options."""
     p.add_argument("--num-schemas", type=int, default=1000, help="distinct schemas compiled (memory)")
     p.add_argument("--kib", type=int, default=100, help="size of each of them")
     p.add_argument("--sample-every", type=int, default=50, help="RSS sampled every this many schemas")
     p.add_argument("--num-large", type=int, default=10, help="large schemas queued before an unconstrained request")
     p.add_argument("--large-kib", type=int, default=120, help="size of each of those")
     options.out_dir(p)
-    p.set_defaults(func=run_grammar_load)
 
 
 def run_grammar_load(args: argparse.Namespace) -> int:
@@ -138,11 +149,10 @@ def run_grammar_load(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kernels(bench: Any) -> None:
-    p = bench.add_parser("kernels", help="Triton kernels vs torch SDPA / paged gather (CUDA)")
+def kernels_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench kernels`'s options."""
     options.smoke(p, help="tiny shapes on the CPU interpreter, to test the script")
     options.out_dir(p)
-    p.set_defaults(func=run_kernels)
 
 
 def run_kernels(args: argparse.Namespace) -> int:
@@ -153,8 +163,8 @@ def run_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overhead(bench: Any) -> None:
-    p = bench.add_parser("overhead", help="served / in-process ratios (throughput, ITL) on the tiny and default models")
+def overhead_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench overhead`'s options."""
     options.out_dir(p)
     p.add_argument("--quick", action="store_true", help="few requests, short outputs: checks the script itself")
     p.add_argument("--skip-tiny", action="store_true", help="leave out the tiny-model scenarios")
@@ -163,7 +173,6 @@ def _overhead(bench: Any) -> None:
     options.num_requests(p, None, help="requests in every scenario (default: per scenario: tiny 128 at c=64, "
                          "16 at c=1; default 64 at c=32, 4 at c=1)")
     options.output_len(p, None, help="output tokens per request (default 128; 16 with --quick)")
-    p.set_defaults(func=run_overhead)
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -176,8 +185,8 @@ def run_overhead(args: argparse.Namespace) -> int:
     return 1 if has_errors(report) else 0
 
 
-def _serve(bench: Any) -> None:
-    p = bench.add_parser("serve", help="TTFT / ITL / throughput against a running server (genai-perf metrics)")
+def serve_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench serve`'s options."""
     options.url(p, help="gRPC host:port (triton) or base URL .../v1 (openai)")
     p.add_argument("--backend", choices=["triton", "openai"], default="triton")
     options.model(p, default="tritium", help="the served model's name")
@@ -188,7 +197,6 @@ def _serve(bench: Any) -> None:
     options.output_len(p, 64)
     options.api_key(p)
     options.out_dir(p)
-    p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -203,15 +211,14 @@ def run_serve(args: argparse.Namespace) -> int:
     return 1 if has_errors(report) else 0
 
 
-def _interference(bench: Any) -> None:
-    p = bench.add_parser("interference", help="ITL of running streams alone vs while big prompts arrive")
+def interference_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench interference`'s options."""
     options.url(p, help="gRPC host:port of the server")
     p.add_argument("--http-url", default="http://127.0.0.1:8000", help="its HTTP address (big prompts go there)")
     p.add_argument("--streams", type=int, default=16)
     options.output_len(p, 64)
     p.add_argument("--big-prompt-kib", type=int, default=500)
     options.out_dir(p)
-    p.set_defaults(func=run_interference)
 
 
 def run_interference(args: argparse.Namespace) -> int:
@@ -223,9 +230,8 @@ def run_interference(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(bench: Any) -> None:
-    p = bench.add_parser("cluster", help="1 replica vs 2 behind tritium's router vs 2 behind vllm-router "
-                         "(cache_aware), shared-prefix prompts, on this machine")
+def cluster_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench cluster`'s options."""
     options.model(p, help="model folder (default: the default model)")
     options.concurrency(p, 16, help="requests in flight (closed loop)")
     options.num_requests(p, 64, help="requests per setup")
@@ -234,7 +240,6 @@ def _cluster(bench: Any) -> None:
     p.add_argument("--groups", type=int, default=4, help="prefix groups (requests cycle through them)")
     options.out_dir(p, flag="--out", help="folder for cluster.json and cluster.png")
     p.add_argument("--skip-vllm-router", action="store_true", help="leave out setup c (noted in the report)")
-    p.set_defaults(func=run_cluster)
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -250,9 +255,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     return 1 if has_errors(report) else 0
 
 
-def _priority(bench: Any) -> None:
-    p = bench.add_parser("priority", help="request priority: TTFT of 10%% high-priority requests vs the rest, "
-                         "and throughput vs fcfs, under an open-loop load (in-process)")
+def priority_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench priority`'s options."""
     options.model(p, help="model folder (default: the default model)")
     options.num_requests(p, 400)
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
@@ -264,7 +268,6 @@ def _priority(bench: Any) -> None:
                    help="runs of each policy, alternating in ABBA order; each policy's runs pooled")
     options.smoke(p, help="a few short requests: checks the script")
     options.out_dir(p)
-    p.set_defaults(func=run_priority)
 
 
 def run_priority(args: argparse.Namespace) -> int:
@@ -282,12 +285,8 @@ def run_priority(args: argparse.Namespace) -> int:
     return 0
 
 
-def _aiperf(bench: Any) -> None:
-    # No options here: everything after `aiperf` (--help too) is forwarded to the module's own parser.
-    p = bench.add_parser("aiperf", add_help=False,
-                         help="AIPerf (NVIDIA's genai-perf successor) against a tritium server "
-                         "(options: tritium bench aiperf --help)")
-    p.set_defaults(func=run_aiperf, **{FORWARDED: []})
+def no_options(p: argparse.ArgumentParser) -> None:
+    """None: a forwarding scenario's module declares its own (on the parser run_aiperf builds)."""
 
 
 def run_aiperf(args: argparse.Namespace) -> int:
@@ -302,3 +301,29 @@ def run_aiperf(args: argparse.Namespace) -> int:
     parser = argparse.ArgumentParser(prog="tritium bench aiperf", description=description[0] if description else None)
     module.add_arguments(parser)
     return int(module.run(parser.parse_args(getattr(args, FORWARDED))))
+
+
+SCENARIOS = (
+    Scenario("offline", "offline throughput: tritium vs transformers", offline_options, run_offline),
+    Scenario("structured", "JSON-schema constrained decoding: throughput, compile and mask times", structured_options,
+             run_structured),
+    Scenario("grammar-load", "memory of many large schemas; wait of a request behind large compiles",
+             grammar_load_options, run_grammar_load),
+    Scenario("kernels", "Triton kernels vs torch SDPA / paged gather (CUDA)", kernels_options, run_kernels),
+    Scenario("overhead", "served / in-process ratios (throughput, ITL) on the tiny and default models",
+             overhead_options, run_overhead),
+    Scenario("serve", "TTFT / ITL / throughput against a running server (genai-perf metrics)", serve_options,
+             run_serve),
+    Scenario("interference", "ITL of running streams alone vs while big prompts arrive", interference_options,
+             run_interference),
+    Scenario("cluster", "1 replica vs 2 behind tritium's router vs 2 behind vllm-router (cache_aware), "
+             "shared-prefix prompts, on this machine", cluster_options, run_cluster),
+    Scenario("priority", "request priority: TTFT of 10%% high-priority requests vs the rest, and throughput vs fcfs, "
+             "under an open-loop load (in-process)", priority_options, run_priority),
+    Scenario("lora", "multi-LoRA: throughput with 4 adapters + base vs base, load time, memory", lora_options,
+             run_lora),
+    Scenario("spec", "one stream with and without speculative decoding (n-gram, a draft model): ITL, acceptance",
+             spec_options, run_spec),
+    Scenario("aiperf", "AIPerf (NVIDIA's genai-perf successor) against a tritium server "
+             "(options: tritium bench aiperf --help)", no_options, run_aiperf, forwards=True),
+)
