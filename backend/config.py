@@ -46,8 +46,7 @@ KNOWN_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min",
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Validated speculation settings: `method`, the most draft tokens per step `num_speculative_tokens` and
-    the n-gram sizes prompt lookup tries (longest first)."""
+    """Validated `speculative_config` (docs/speculative-decoding.md#settings)."""
 
     method: str
     num_speculative_tokens: int
@@ -57,8 +56,8 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, raw: Any) -> SpeculativeConfig | None:
-        """The config `raw` describes (a dict as in model.json, or a SpeculativeConfig); None for None.
-        Raises ValueError naming the field and the rule."""
+        """`raw` (model.json's dict, or a SpeculativeConfig) validated; None for None. Raises ValueError naming
+        the field and the rule."""
         if raw is None or isinstance(raw, SpeculativeConfig):
             return raw
         if not isinstance(raw, dict):
@@ -102,19 +101,8 @@ def _int(raw: dict[str, Any], name: str, default: int | None, low: int, high: in
 
 @dataclass
 class EngineConfig:
-    """How to build an engine. `model=None` is the embedded default model.
-
-    dtype "auto" is float32 on a CPU and bfloat16 on CUDA. kv_cache_bytes None is 1 GiB on a CPU;
-    on CUDA it is what is left of `gpu_memory_utilization` x the device's total memory (the share
-    this engine may use, weights and activations included; engines sharing a GPU split it) once the
-    weights and the activations of a max_num_batched_tokens forward pass are counted
-    (see memory_budget.py). A set kv_cache_bytes wins. max_model_len None is the model's own; the KV
-    cache must hold one sequence of max_model_len tokens or the engine refuses to start.
-    enforce_eager False runs decode steps through the CUDA-graph path (captured per batch-size bucket on
-    CUDA; on a CPU the same padded static buffers run eagerly), True never does, None picks graphs on CUDA.
-    Graphs need the triton attention backend: with `attention_backend="torch"` on CUDA decode steps always run
-    eagerly (that backend's forward synchronizes with the host and cannot be captured; see decode_graphs.py).
-    """
+    """How to build an engine: the settings of docs/serving.md#engine-settings. Raises ValueError naming the
+    field and the rule."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -129,32 +117,17 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     seed: int = 0
-    enforce_eager: bool | None = None  # None: CUDA graphs for decode steps on CUDA, eager elsewhere
-    # Structured output: the most bytes a request's schema, regex or grammar may have, and the bound of the
-    # compiled-grammar cache (entries charged by their estimated memory; see structured_output/compiler.py).
+    enforce_eager: bool | None = None  # None: decode graphs on CUDA with the triton backend (decode_graphs.py)
     max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
-    # CPU intra-op (torch/OpenMP) threads; None: sized to the usable cores, one or two left free when served
-    # (worker/threads.py). Not used on CUDA.
-    num_threads: int | None = None
-    # Weight-only quantization of every linear layer and the logits head at load: "int8" (per output channel,
-    # symmetric; layers/int8_linear.py), "int4" (CPU only: groups of 32, asymmetric; layers/int4_linear.py) or None (the
-    # weights stay in `dtype`).
-    quantization: str | None = None
-    # LoRA adapters (backend/lora/): off unless enable_lora. max_loras adapters are resident on the device at
-    # once (slots; the others wait in host memory, least recently used evicted first), each of rank at most
-    # max_lora_rank; lora_modules {name: folder} are loaded at start.
+    num_threads: int | None = None  # CPU intra-op threads; None: sized to the host (worker/threads.py)
+    quantization: str | None = None  # weight-only, of every linear layer: "int8", "int4" (CPU only) or None
     enable_lora: bool = False
-    max_loras: int = 4
+    max_loras: int = 4  # adapters resident on the device at once
     max_lora_rank: int = 16
-    lora_modules: dict[str, str] | None = None
-    # Speculative decoding (backend/spec/), vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b}; None: off.
-    speculative_config: dict[str, object] | SpeculativeConfig | None = None
-    # Request priority (core/waiting_queue.py): "fcfs" serves in order of arrival (a request's priority must be
-    # 0); "priority" admits by priority (lower first, aged: one level better per priority_aging_s seconds waited)
-    # then arrival, and preempts running requests of a lower priority to make room for a waiting one.
-    scheduling_policy: str = "fcfs"
+    lora_modules: dict[str, str] | None = None  # {name: folder}, loaded at start
+    speculative_config: dict[str, object] | SpeculativeConfig | None = None  # vLLM's shape; None: off
+    scheduling_policy: str = "fcfs"  # or "priority" (docs/priority.md)
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
 
     def __post_init__(self) -> None:

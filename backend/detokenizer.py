@@ -1,10 +1,4 @@
-"""Incremental detokenization: each generated token in, the text it completes out.
-
-Built on the tokenizers library's `DecodeStream` (one call into Rust per token). A few prompt tokens prime
-the stream, so the first output token keeps its leading space as a decode of the whole sequence would. A
-token that ends inside a multi-byte UTF-8 character yields nothing until a later token completes it;
-`flush` at the end of generation decodes whatever is still held (then with U+FFFD for a broken character).
-"""
+"""Incremental detokenization on `tokenizers`' DecodeStream (docs/architecture.md#the-engine-step, text side)."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ from tokenizers.decoders import DecodeStream
 
 from tritium.backend.tokenizer import Tokenizer
 
-PROMPT_CONTEXT_TOKENS = 5
+PROMPT_CONTEXT_TOKENS = 5  # prime the stream, so the first output token keeps its leading space
 
 
 class IncrementalDetokenizer:
@@ -36,7 +30,7 @@ class IncrementalDetokenizer:
         return text
 
     def flush(self) -> str:
-        """At the end of generation: the text of the tokens still held."""
+        """At the end of generation: the text of the tokens still held (U+FFFD for a broken character)."""
         if not self.held:
             return ""
         skip, context = self.skip_special_tokens, list(self.context)

@@ -1,4 +1,4 @@
-"""The streaming engine: add requests, step, abort. One thread drives it (see docs/architecture.md)."""
+"""The streaming engine: add requests, step, abort. One thread drives it (docs/architecture.md#the-engine-step)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ MODEL_STEP_FAILED = "the model step failed"
 
 @dataclass
 class SpecTotals:
-    """Speculative decoding over all requests (Prometheus counters): verification steps that verified drafts,
-    the draft tokens they verified and accepted, and drafts a grammar cut before verification."""
+    """Over all requests; `num_drafts` counts steps that verified drafts, `num_refused_tokens` drafts a grammar cut."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -58,7 +57,6 @@ class EngineStats:
 
     @property
     def overhead_s(self) -> float:
-        """Seconds of the steps spent outside the worker."""
         return self.step_s - self.model_s
 
     def add(self, batch: SchedulerOutput, start: float, executed: float, updated: float, end: float) -> None:
@@ -79,8 +77,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer(self.model_path)
-        # The worker's grammar matchers need the compiler, so it is built from the checkpoint's config before
-        # the weights load.
+        # The worker's grammar matchers need the compiler: built from config.json before the weights load.
         checkpoint = ModelConfig.from_folder(self.model_path)
         self.grammars = GrammarCompiler(self.tokenizer, checkpoint.eos_token_ids,
                                         cache_bytes=config.grammar_cache_bytes)
@@ -119,12 +116,10 @@ class LLMEngine:
 
     @property
     def worker_info(self) -> WorkerInfo:
-        """The device, model and KV cache the worker set up."""
         return self.worker.info
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the KV cache holds in all."""
         return self.block_manager.num_blocks * self.config.block_size
 
     def add_request(
@@ -137,11 +132,9 @@ class LLMEngine:
         lora_name: str | None = None,
         priority: int | None = None,
     ) -> None:
-        """Queue a request (text `prompt` or `prompt_token_ids`). `matcher`: its structured output compiled
-        already (`compile_structured_output`); without it the grammar is compiled here. `lora_name`: the loaded
-        adapter it runs on (None: the base model). `priority`: lower runs first under scheduling_policy
-        "priority" (None: `params.priority`; under "fcfs" it must be 0). Raises ValueError naming the field and
-        the rule for a bad request (an unknown adapter: naming it); nothing is queued then."""
+        """Queue a request (text `prompt` or `prompt_token_ids`). `matcher`: from `compile_structured_output`
+        (None: compiled here); `priority` None: `params.priority`. Raises ValueError naming the field and the
+        rule, or the unknown adapter; nothing is queued then."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -168,8 +161,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def lora_adapter(self, lora_name: str | None) -> LoraAdapter | None:
-        """The adapter loaded as `lora_name` (None for None). Raises ValueError naming an unknown adapter, or
-        saying that LoRA is off."""
+        """The adapter loaded as `lora_name` (None for None); raises ValueError naming it, or saying LoRA is off."""
         if lora_name is None:
             return None
         if self.lora is None:
@@ -177,9 +169,8 @@ class LLMEngine:
         return self.lora.get(lora_name)
 
     def load_lora(self, name: str, folder: str | Path) -> None:
-        """Load the PEFT adapter in `folder` as `name` (on the engine's thread, like `add_request`); requests may
-        name it from now on. Raises ValueError when LoRA is off, `name` is loaded already, or the adapter does
-        not fit the model (LoraAdapterError, naming what is wrong)."""
+        """Load the PEFT adapter in `folder` as `name` (the engine's thread). Raises ValueError when LoRA is off,
+        `name` is loaded already, or the adapter does not fit the model (LoraAdapterError, naming what)."""
         if self.lora is None:
             raise ValueError(f"cannot load LoRA adapter {name!r}: enable_lora is off")
         t0 = time.perf_counter()
@@ -188,25 +179,22 @@ class LLMEngine:
                     len(adapter.weights), adapter.nbytes / 2**20, adapter.folder, time.perf_counter() - t0)
 
     def unload_lora(self, name: str) -> None:
-        """Forget adapter `name` (on the engine's thread): later requests naming it are refused; accepted ones
-        finish on it first. Raises ValueError naming an unknown adapter (or when LoRA is off)."""
+        """Forget adapter `name` (the engine's thread); accepted requests finish on it. Raises ValueError naming
+        an unknown adapter (or when LoRA is off)."""
         if self.lora is None:
             raise ValueError(f"cannot unload LoRA adapter {name!r}: enable_lora is off")
         self.lora.unload(name)
 
     def tokenize(self, prompt: str) -> list[int]:
-        """The token ids of `prompt`; raises ValueError when it is empty or cannot fit the context (checked
-        before tokenizing a huge text). Reads only settings: any thread may call it (the serving tokenizer
-        thread does)."""
+        """Any thread may call it; raises ValueError when `prompt` is empty or cannot fit the context."""
         if not prompt:
             raise ValueError("prompt must not be empty")
         self.tokenizer.check_can_fit(prompt, self.max_model_len)
         return self.tokenizer.encode(prompt)
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError when token ids `ids` with `params` cannot be served by this engine (empty, ids
-        outside the vocabulary, too long for the context or the KV cache). Reads only settings: any thread
-        may call it (the serving tokenizer thread does, so that hopeless prompts never reach the engine)."""
+        """Raises ValueError naming the rule when `ids` with `params` cannot be served here (empty, outside the
+        vocabulary, too long for the context or the KV cache). Any thread may call it."""
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
@@ -238,9 +226,8 @@ class LLMEngine:
             )
 
     def check_priority(self, priority: int) -> None:
-        """Raises ValueError when a request may not have `priority`: not an integer in the bounds of
-        SamplingParams.priority (its own check, run here for a priority given apart from the params), or not 0
-        while scheduling_policy is "fcfs" (as vLLM refuses it)."""
+        """Raises ValueError when `priority` is outside SamplingParams.priority's bounds, or not 0 under
+        scheduling_policy "fcfs" (as vLLM refuses it)."""
         SamplingParams(priority=priority)
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 (got {priority}): this model schedules first come first served "
@@ -248,9 +235,8 @@ class LLMEngine:
                              "settings to use request priorities")
 
     def compile_structured_output(self, params: SamplingParams, done: CompileCallback) -> None:
-        """Compile `params.structured_output` off the calling thread (any thread: the serving tokenizer thread
-        does) and call `done(matcher, None)`, or `done(None, why)` when it cannot be enforced; at once when
-        the grammar cache has it. Pass the matcher to `add_request`."""
+        """Compile `params.structured_output` on the compiler's threads (any thread may call it), then call
+        `done(matcher, None)` or `done(None, why)`; at once on a cache hit. Pass the matcher to `add_request`."""
         assert params.structured_output is not None
         self.grammars.submit(params.structured_output, done)
 
@@ -272,9 +258,7 @@ class LLMEngine:
         return bool(self.requests) or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
-        """One step: schedule -> execute (the worker: forward pass and sampling) -> update (the scheduler's
-        bookkeeping, then text and outputs). Returns an output for every request that changed: delta-only,
-        the final one with the totals."""
+        """schedule -> execute -> update; an output per request that changed (delta-only, the last with totals)."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
@@ -289,8 +273,7 @@ class LLMEngine:
         return outputs
 
     def _update(self, batch: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        """The scheduler's bookkeeping after `batch` ran, then an output per sequence that sampled; when the
-        forward pass failed, an error output for every scheduled sequence (the engine goes on)."""
+        """An output per sequence that sampled; a failed forward pass ends every scheduled sequence."""
         if result.failed:
             for s in batch.scheduled:
                 self._end(s.seq, "error")
@@ -301,7 +284,6 @@ class LLMEngine:
         return [self._process(seq, result, row, appended[row]) for row, seq in enumerate(batch.sampling)]
 
     def _count_drafts(self, batch: SchedulerOutput, result: StepResult) -> None:
-        """Each speculating sequence's verification, in its figures and the engine's totals."""
         totals = self.spec_totals
         assert totals is not None
         totals.num_refused_tokens += result.refused_drafts
@@ -314,9 +296,8 @@ class LLMEngine:
                 totals.num_accepted_tokens += accepted
 
     def _process(self, seq: Sequence, result: StepResult, row: int, appended: int = 1) -> RequestOutput:
-        """The output of a sequence that sampled (the scheduler already appended its `appended` tokens: a
-        speculating sequence's accepted drafts, then `result`'s token of `row`): text, stop strings, a complete
-        grammar; whatever fails here ends this request alone with an error."""
+        """The scheduler appended `appended` tokens already (accepted drafts, then the sampled one); whatever
+        fails here ends this request alone."""
         token, error = result.token_ids[row], result.errors[row]
         if error is None and token is not None:
             try:
@@ -334,8 +315,8 @@ class LLMEngine:
         return self.outputs.error_output(seq, error or "no token was sampled")
 
     def _append_run(self, seq: Sequence, result: StepResult, row: int, n: int) -> bool:
-        """Detokenize the first `n` tokens of `row`'s run (accepted drafts, then the sampled token) one at a time;
-        at a stop string the run ends there and the tokens after it are dropped. Returns whether one appeared."""
+        """Detokenize the first `n` tokens of `row`'s run one at a time; at a stop string the tokens after it are
+        dropped. Returns whether a stop string appeared."""
         accepted = result.accepted[row] if result.accepted else []
         logprobs = result.accepted_logprobs[row] if result.accepted else []
         run = [*accepted, result.token_ids[row]][:n]
@@ -350,8 +331,7 @@ class LLMEngine:
         return False
 
     def _end(self, seq: Sequence, reason: str) -> None:
-        """Finish `seq` with `reason` unless it already finished (the scheduler's reason then stands), and drop
-        the engine's and the worker's state of it."""
+        """Finish `seq` (a reason the scheduler gave first stands) and drop the engine's and worker's state."""
         if not seq.finished:
             self.scheduler.finish(seq, reason)
         if self.requests.pop(seq.request_id, None) is not None and seq.lora is not None:

@@ -18,13 +18,8 @@ Message = dict[str, str]
 
 
 class LLM:
-    """Load a model and generate for batches of prompts through the continuous batcher.
-
-    `model=None` is the embedded default (SmolLM2-135M-Instruct); otherwise a Hugging Face
-    Llama-family folder. Other keyword arguments are EngineConfig fields (LoRA adapters: `enable_lora=True`,
-    `lora_modules={name: folder}`, then `lora_name=` per generate call; speculative decoding:
-    `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`).
-    """
+    """Batches of prompts through one LLMEngine (docs/python.md#llm). `model=None` is the embedded default;
+    other keyword arguments are EngineConfig fields."""
 
     def __init__(
         self,
@@ -54,12 +49,8 @@ class LLM:
         lora_name: str | Seq[str | None] | None = None,
         priority: int | Seq[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order. `lora_name`: the
-        loaded adapter every prompt runs on, or one name (None: the base model) per prompt. `priority`: one for
-        every prompt or one per prompt (lower runs first; needs scheduling_policy="priority"); None: each
-        sampling params' own.
-
-        Raises ValueError for an invalid prompt, parameter or adapter name before any request is queued."""
+        """Outputs in prompt order. `sampling_params`, `lora_name` (None: the base model) and `priority` (None:
+        the params' own) are one for every prompt or one per prompt. Raises ValueError before queueing any."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -101,7 +92,7 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def load_lora(self, name: str, folder: str | Path) -> None:
-        """Load the PEFT adapter in `folder` as `name` (needs enable_lora). Raises ValueError naming what is wrong."""
+        """Load the PEFT adapter in `folder` as `name`. Raises ValueError naming what is wrong."""
         self.engine.load_lora(name, folder)
 
     def unload_lora(self, name: str) -> None:

@@ -16,8 +16,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class ModelFolderError(ValueError):
-    """A model folder that cannot be loaded: a missing file, an unsupported architecture, or a
-    checkpoint feature the model code does not implement (named, never loaded silently wrong)."""
+    """A model folder that cannot be loaded; the message names the missing file or unsupported feature."""
 
 
 def rope_type(rope_scaling: dict[str, Any] | None) -> str:
@@ -74,11 +73,8 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
-        """Read `config.json` (and `generation_config.json` when present) from `folder`.
-
-        Raises ModelFolderError when config.json is missing, names an unsupported architecture, or
-        asks for a feature this model code does not implement (see unsupported_features).
-        """
+        """Read `config.json` (eos ids from `generation_config.json` when present). Raises ModelFolderError
+        when it is missing or names an unsupported architecture or feature (`unsupported_features`)."""
         folder = Path(folder)
         path = folder / "config.json"
         if not path.is_file():

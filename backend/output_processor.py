@@ -1,5 +1,4 @@
-"""Turns sampled tokens into delta-only `RequestOutput`s: detokenizes, applies stop strings, keeps the
-totals that only the final output carries. Work per output is proportional to what is new."""
+"""Sampled tokens -> delta-only `RequestOutput`s: detokenizing, stop strings, the totals of the final output."""
 
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ class RequestState:
             self.unsent_text.append(text)
 
     def release_held(self) -> None:
-        """At the end, whatever the reason: what the last tokens say, and a tail that never became a stop
-        string (after a stop string, nothing: `StopStrings` releases nothing more once stopped)."""
+        """At the end, whatever the reason: the held text and a tail that never became a stop string (nothing
+        after a stop string)."""
         self.release(self.detokenizer.flush())
         if self.stop_strings is not None and (tail := self.stop_strings.flush()):
             self.unsent_text.append(tail)
@@ -72,8 +71,7 @@ class OutputProcessor:
         )
 
     def output(self, seq: Sequence) -> RequestOutput:
-        """What changed for `seq` since its previous output; once `seq` finished, the final output with the
-        totals (its state is dropped then)."""
+        """What changed for `seq` since its previous output; once it finished, the final one (state dropped)."""
         state = self.states[seq.request_id]
         finished = seq.finished
         if finished:

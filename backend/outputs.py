@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecDecodingStats:
-    """One request's speculative decoding, named as vLLM's per-request metrics and AIPerf's record:
-    verification steps, draft tokens proposed and accepted, and how many steps accepted n drafts."""
+    """One request's speculative decoding, vLLM's per-request names (docs/speculative-decoding.md)."""
 
     num_spec_steps: int = 0
     num_draft_tokens: int = 0
@@ -26,7 +25,6 @@ class SpecDecodingStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def to_dict(self) -> dict[str, object]:
-        """The figures as plain JSON-ready values (derived ones included)."""
         return {"num_spec_steps": self.num_spec_steps, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "mean_acceptance_length": self.mean_acceptance_length,
@@ -43,11 +41,8 @@ class SpecDecodingStats:
 
 @dataclass
 class RequestOutput:
-    """What one step changed for one request: delta-only, so the work per output does not grow with the
-    length of the generation. `delta_text`, `delta_token_ids` and `delta_logprobs` are new since this
-    request's previous output. The final output (`finished`) also carries the totals: `text`, `token_ids`
-    and `logprobs` hold the whole generation there and are empty (None for logprobs) on every other output.
-    finish_reason: "stop", "length", "abort" or "error" (then `error` says why)."""
+    """What one step changed for one request: `delta_*` are new since its previous output; `text`, `token_ids`
+    and `logprobs` are set on the final output only (docs/python.md#llmengine)."""
 
     request_id: str
     delta_text: str
@@ -64,6 +59,4 @@ class RequestOutput:
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
-    # Speculative decoding's figures of this request (vLLM's per-request names), on the final output of a
-    # request that could speculate; None otherwise.
-    spec_decoding: SpecDecodingStats | None = None
+    spec_decoding: SpecDecodingStats | None = None  # on the final output, when speculation is on

@@ -1,10 +1,6 @@
-"""Per-request sampling settings, validated before a request touches the engine.
-
-The fields of `SamplingParams` are the one declaration of what a request may ask for: each field's type and
-its bounds (`ge`/`gt`/`le` in the field's metadata) drive the validation here, the Triton request parsers'
-coercion (`serving/request.py`, `serving/ids_model.py`) and the OpenAI request models' constraints
-(`client/openai_protocol.py`). `SAMPLING_FIELDS` describes them.
-"""
+"""Per-request sampling settings. `SamplingParams`' fields (type, default, bounds) are the one declaration the
+validation here, the Triton parsers and the OpenAI request models follow (`SAMPLING_FIELDS`; see
+docs/architecture.md#serving-and-the-openai-endpoint)."""
 
 from __future__ import annotations
 
@@ -34,17 +30,8 @@ def _bounds(ge: float | None = None, gt: float | None = None, le: float | None =
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. Field names and defaults follow vLLM.
-
-    temperature 0 (or anything below 1e-5) means greedy; at most 100. top_k -1 (or 0) disables top-k, and a
-    top_k beyond the vocabulary means all of it; top_p 1 and min_p 0 disable theirs. repetition_penalty is
-    in [0.01, 100] so that penalized logits stay finite.
-    `logprobs=n` returns the sampled token's logprob and the n most likely (raw model distribution).
-    `structured_output` (a StructuredOutput, or its dict / JSON text: `{"json": schema}`, `{"regex": ...}`,
-    `{"choice": [...]}`, `{"grammar": ...}`, `{"json_object": true}`) constrains every token to it.
-    Construction raises ValueError naming the field and the rule when a value is invalid.
-    A new field needs only its type and bounds here: the parsers and the validation follow from them.
-    """
+    """How to pick tokens and when to stop, with vLLM's names and defaults (docs/python.md#sampling-parameters).
+    Construction raises ValueError naming the field and the rule. A new field needs only its type and bounds."""
 
     max_tokens: int = field(default=16, metadata=_bounds(ge=1))
     min_tokens: int = field(default=0, metadata=_bounds(ge=0))
@@ -63,8 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = field(default=None, metadata=_bounds(ge=0, le=MAX_LOGPROBS))
     skip_special_tokens: bool = True
-    structured_output: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar the output matches
-    # Lower runs first under the engine's "priority" scheduling policy; an engine on "fcfs" takes only 0.
+    structured_output: StructuredOutput | None = None  # or its dict / JSON text (StructuredOutput.from_value)
     priority: int = field(default=0, metadata=_bounds(ge=-MAX_PRIORITY, le=MAX_PRIORITY))
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ TOKENIZER_NICE = 10  # serving tokenizes at this nice value: big prompts must no
 
 
 def _token_text(value: Any) -> str | None:
-    """A special token's text in tokenizer_config.json: the string itself, or an AddedToken object's `content`."""
+    """The string itself, or an AddedToken object's `content`."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
@@ -29,13 +29,12 @@ def _token_text(value: Any) -> str | None:
 
 def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
             sort_keys: bool = False) -> str:
-    """transformers' `tojson`: plain JSON (jinja's own escapes <, > and & for HTML, which tool templates
-    must not show the model)."""
+    """transformers' `tojson`: unlike jinja's, no HTML escapes of <, > and &, which tool templates must not show."""
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _template_env() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in (loop controls, `tojson`, `strftime_now`)."""
+    """The environment transformers renders chat templates in."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
 
     def raise_exception(message: str) -> None:
@@ -74,22 +73,19 @@ class Tokenizer:
 
     @cached_property
     def max_token_bytes(self) -> int:
-        """The most UTF-8 bytes one token's text can take (decoding the whole vocabulary once, ~80 ms for
-        49k tokens, so only tokenizers that check prompt sizes pay for it)."""
+        """The most UTF-8 bytes one token's text takes (decodes the whole vocabulary on first use)."""
         texts = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
         return max(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 
     def check_can_fit(self, text: str, max_tokens: int) -> None:
-        """Raises ValueError when `text` has more UTF-8 bytes than `max_tokens` tokens can cover, which is
-        known without tokenizing it."""
+        """Raises ValueError when `text` has more UTF-8 bytes than `max_tokens` tokens can cover."""
         max_bytes = max_tokens * self.max_token_bytes
         if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
             raise ValueError(f"prompt is longer than the model's context of {max_tokens} tokens could hold "
                              f"(more than {max_bytes} bytes)")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. A long text goes through `encode_batch`, which releases the GIL while it
-        works (`encode` holds it: ~0.5 s for 500 KB, during which no other Python thread runs)."""
+        """A long text goes through `encode_batch`, which releases the GIL (`encode` holds it)."""
         if len(text) < GIL_FREE_ENCODE_CHARS:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -100,20 +96,16 @@ class Tokenizer:
         return self._tok
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of token ids `ids`."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
-        """The id of vocabulary entry `token`; None when there is none."""
         return self._tok.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The vocabulary entry of `token_id`; None outside the vocabulary."""
         return self._tok.id_to_token(token_id)
 
     def user_turn(self, text: str) -> str:
-        """`text` as the user turn of the chat template, ready for the assistant's reply. Raises ValueError
-        when the model has no template."""
+        """`text` as the chat template's user turn, ready for the reply. Raises ValueError without a template."""
         return self.apply_chat_template([{"role": "user", "content": text}])
 
     @cached_property
@@ -128,7 +120,7 @@ class Tokenizer:
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
-        """The chat template, compiled once. Raises ValueError when the model has none."""
+        """Raises ValueError when the model has no chat template."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         return _template_env().from_string(self.chat_template)
@@ -137,9 +129,8 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render the model's chat template; `tools` (OpenAI's `{"type": "function", "function": ...}`
-        objects) are passed as transformers passes them (None when there are none). Raises ValueError when
-        the model has none or the template rejects the messages."""
+        """`tools`: OpenAI's function objects, passed as transformers passes them. Raises ValueError when the
+        model has no template or it rejects the messages."""
         try:
             return self._compiled_template.render(
                 messages=messages,

@@ -28,5 +28,4 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens this step runs through the model."""
         return sum(s.num_new_tokens for s in self.scheduled)

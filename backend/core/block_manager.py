@@ -1,11 +1,6 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, and prefix caching.
+"""Paged KV-cache bookkeeping: blocks, ref counts, prefix caching (docs/architecture.md, "The engine step").
 
-A full block is identified by a chained hash of its tokens and its parent's hash, so equal
-prefixes map to equal blocks; the first block's parent is the sequence's `cache_key` (b"" for the base
-model, a LoRA adapter's content hash), so KV computed with other weights never matches. Blocks whose ref
-count drops to 0 stay cached (hash kept) on an LRU free list and are only overwritten when a new block is
-needed; unhashed blocks are reused first.
-"""
+A freed block keeps its hash on the LRU free list until it is reused; unhashed blocks are reused first."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ from tritium.backend.core.sequence import Sequence
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """The 16-byte hash of a full block of `tokens` after the prefix hashed as `parent` (b"" for the first)."""
+    """16-byte hash of a full block; `parent`: the previous block's hash, or the sequence's `cache_key`."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
@@ -37,7 +32,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no sequence references (cached ones included: they are reused least recently used first)."""
+        """Blocks no sequence references, cached ones included."""
         return len(self.free)
 
     @property
@@ -46,13 +41,11 @@ class BlockManager:
         return 1.0 - len(self.free) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks for the longest cached prefix of `seq` (which holds no blocks) and
-        mark those tokens computed. At least one token is always left to compute. Returns the
-        number of tokens served from the cache."""
+        """Attach the blocks of `seq`'s longest cached prefix (it holds none yet), leaving at least one token to
+        compute; returns the tokens served from the cache."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
@@ -77,8 +70,7 @@ class BlockManager:
         return hit
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make `seq`'s block table cover `num_new_tokens` more tokens. Returns False (and allocates
-        nothing) when not enough blocks are free."""
+        """Blocks for `num_new_tokens` more tokens of `seq`; False, allocating nothing, when too few are free."""
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need <= 0:
             return True
@@ -96,7 +88,7 @@ class BlockManager:
         return True
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that became full of computed tokens in the prefix cache."""
+        """Hash `seq`'s newly full blocks of computed tokens into the prefix cache."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -111,8 +103,8 @@ class BlockManager:
                 self.cached[h] = block
 
     def trim(self, seq: Sequence, extra: int = 0) -> None:
-        """Drop `seq`'s blocks wholly beyond its tokens and `extra` positions after them (those a verification
-        step's rejected drafts took). The table becomes a new list, so the device row rewrites itself."""
+        """Free `seq`'s blocks beyond its tokens plus `extra` positions (rejected drafts' or unused lookahead's).
+        The table becomes a new list, so its device row rewrites itself."""
         keep = self.blocks_needed(seq.num_tokens + extra)
         if len(seq.block_table) <= keep:
             return
@@ -128,8 +120,7 @@ class BlockManager:
                 self.free.move_to_end(block, last=False)
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Drop `seq`'s references (tail first, so the tail is evicted first) and reset it to no
-        computed tokens."""
+        """Drop `seq`'s blocks (tail first, so the tail is evicted first) and its computed tokens."""
         for block in reversed(seq.block_table):
             self._unref(block)
         seq.block_table = []

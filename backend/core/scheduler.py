@@ -1,23 +1,5 @@
-"""Continuous batching: which sequences run this step, and how many tokens each.
-
-Every step has a token budget (`max_num_batched_tokens`). Running sequences go first (decodes
-and unfinished prefill chunks), then waiting ones are admitted while seats (`max_num_seqs`),
-budget and blocks last; a prompt longer than the remaining budget is split into chunks across
-steps. When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks are freed and it is recomputed later (its prefix may still be cached).
-
-Under the "priority" scheduling policy (waiting_queue.py) the waiting queue is ordered by priority (aged) then
-arrival, a waiting sequence that finds no seat or no blocks preempts running sequences of a strictly lower
-priority (the lowest first, then the newest; `_make_room`), and a running sequence out of blocks preempts the
-lowest-priority one instead of the newest. "fcfs" (the default) is the order of arrival.
-
-A sequence on a LoRA adapter is admitted only once its adapter has a device slot (`LoraManager.acquire`);
-until then it waits and the sequences behind it may go first. Once it has waited `priority_aging_s`, adapter
-sequences behind it may no longer pass it (not even on a resident adapter; base ones still may): the adapters
-in use drain, a slot frees and it gets it, so a busy adapter's stream of newer requests never starves it. A
-sequence holds its slot while it runs (preempted or finished: released), so a resident adapter in use is never
-evicted.
-"""
+"""Continuous batching: which sequences run each step, and how many tokens each (docs/architecture.md, "The
+engine step", "Priority", and "LoRA" for admission once an adapter has a slot)."""
 
 from __future__ import annotations
 
@@ -53,8 +35,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.lora = lora
-        # A speculating sequence that samples also gets blocks for this many positions beyond its step (a draft
-        # model writes its KV there while it drafts, after sampling), within max_model_len.
+        # Blocks past a speculating step for a draft model's KV, written while it drafts (within max_model_len).
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_model_len = max_model_len
         self.waiting = make_waiting_queue(scheduling_policy, priority_aging_s)
@@ -65,17 +46,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` behind the waiting ones (under "priority": at its place)."""
         seq.arrival_time = self.clock()
         self.waiting.add(seq)
 
     def has_unfinished(self) -> bool:
-        """Whether a sequence waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """This step's sequences and their new tokens (blocks allocated), running ones first, and the
-        sequences preempted to make room; nothing scheduled when nothing can run."""
+        """This step's sequences and tokens (blocks allocated), running ones first, and those preempted."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         made_room = self._make_room(out) if self.by_priority else 0
@@ -125,8 +103,7 @@ class Scheduler:
         return self._with_sampling(out)
 
     def _allocate_or_preempt(self, i: int, num_new: int, out: SchedulerOutput) -> bool:
-        """Give `running[i]` blocks for `num_new` more tokens, preempting victims (into `out.preempted`) until they
-        fit. Returns False when it was itself the victim."""
+        """Blocks for `running[i]`, preempting until they fit; False when it was itself preempted."""
         seq = self.running[i]
         while not self.blocks.allocate(seq, num_new):
             victim = self._pop_victim(i)
@@ -137,8 +114,7 @@ class Scheduler:
         return True
 
     def _pop_victim(self, i: int) -> Sequence:
-        """Take the running sequence to preempt when `running[i]` needs blocks that are not free: the newest;
-        under "priority" the lowest-priority (aged), then newest, of `running[i:]` (those before are scheduled)."""
+        """The newest; under "priority" the last by `priority_key` of `running[i:]` (those before are scheduled)."""
         if not self.by_priority:
             return self.running.pop()
         tail = self.running[i:]
@@ -147,10 +123,8 @@ class Scheduler:
         return victim
 
     def _make_room(self, out: SchedulerOutput) -> int:
-        """Under "priority", before this step's batch is built: for the waiting sequences, best first, that find
-        no seat or no blocks for their first chunk, preempt the running sequences they outrank (`outranks`:
-        a strictly lower priority), lowest first, when that makes enough room; stop at the first that cannot get
-        room (it waits, and so do those behind it). Returns how many were preempted (in `out.preempted`)."""
+        """Preempt running sequences that waiting ones outrank, when that makes room for them; stop at the first
+        waiting one it cannot help (docs/architecture.md, "Priority"). Returns how many it preempted."""
         aging = self.priority_aging_s
         seats = self.max_num_seqs - len(self.running)
         free = self.blocks.num_free_blocks
@@ -196,15 +170,13 @@ class Scheduler:
         return out
 
     def _take_draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
-        """The drafts the worker proposed for `seq` after its last step, when it decodes one token now: as many as
-        the step's budget leaves, with blocks for them ([]: none, or no blocks: it then decodes plainly)."""
+        """The drafts `seq` verifies now: only when it decodes, within the budget, with blocks ([]: plain decode)."""
         draft, seq.draft_tokens = seq.draft_tokens[: budget - 1], []
         if num_new != 1 or not draft or not self.blocks.allocate(seq, 1 + len(draft)):
             return []
         return draft
 
     def _schedule(self, out: SchedulerOutput, s: ScheduledSequence) -> None:
-        """Add `s` to the step; a speculating sequence that samples gets its lookahead blocks when they are free."""
         out.scheduled.append(s)
         seq = s.seq
         if self.num_lookahead_tokens and seq.spec is not None and s.samples:
@@ -214,13 +186,9 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, tokens: list[int | None], accepted: list[list[int]] | None = None,
                drafts: list[list[int]] | None = None) -> list[int]:
-        """After the forward pass of `out`: count the computed tokens and commit the blocks they filled;
-        append each sampled token (`tokens` is aligned with `out.sampling`; None: that sequence got no
-        token, the engine ends it), after the drafts verification kept (`accepted`, aligned too; None: no
-        sequence speculated), one at a time through the stop checker (a stop cuts the run there), and finish
-        the sequences it stops. A speculating sequence's rejected drafts are not computed tokens; it keeps the
-        drafts the worker proposed for its next step (`drafts`, aligned too) and the blocks they need, and
-        blocks wholly beyond them are freed. Returns how many tokens each sampling sequence got."""
+        """After `out`'s forward pass: count computed tokens, append each sampling sequence's kept drafts and token
+        through the stop checker, keep its next drafts. `tokens` (None: the engine ends that sequence), `accepted`
+        and `drafts` align with `out.sampling`. Returns how many tokens each got."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft)  # drafts count once accepted
             self.blocks.commit_full_blocks(s.seq)
@@ -247,7 +215,7 @@ class Scheduler:
         return appended
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
-        """Whether `seq` may run as far as its adapter goes: it has none, or its adapter got a slot."""
+        """False while `seq`'s adapter has no slot."""
         if seq.lora is None or seq.lora_slot >= 0:
             return True
         assert self.lora is not None, "a sequence on a LoRA adapter needs the scheduler's LoraManager"

@@ -21,10 +21,8 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """Token ids (prompt then output), how many of them have K/V in the cache, and the blocks holding them.
-    `num_computed_tokens` goes back to 0 when the sequence is preempted. Text, logprobs and random
-    generators live elsewhere (output_processor.py, sampler.py). `lora`: the adapter it runs on (None: the base
-    model); `lora_slot` its device slot while the sequence runs (-1 otherwise)."""
+    """`num_computed_tokens` (tokens with K/V in the cache) returns to 0 on preemption; `lora_slot` is -1
+    unless the sequence runs on an adapter."""
 
     request_id: str
     prompt: str | None
@@ -53,8 +51,7 @@ class Sequence:
 
     @property
     def cache_key(self) -> bytes:
-        """What its first block's hash starts from: b"" for the base model, the adapter's content hash otherwise
-        (so KV computed with different weights is never shared)."""
+        """The parent of its first block's hash: b"" for the base model, else the adapter's content hash."""
         return self.lora.content_hash if self.lora is not None else b""
 
     @property
@@ -64,15 +61,13 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """A copy: the generated tokens."""
+        """A copy."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        """Generated tokens."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:
-        """Whether it ended (`finish_reason` says why)."""
         return self.status is SequenceStatus.FINISHED

@@ -1,5 +1,4 @@
-"""When a request stops: EOS, stop token ids, min_tokens and max_tokens (`StopChecker`, on token ids), and
-stop strings (`StopStrings`, on the text as it is released)."""
+"""When a request stops: `StopChecker` on token ids, `StopStrings` on the text as it is released."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
 
     def check(self, seq: Sequence) -> str | None:
-        """After a token was appended to `seq`: "stop" (EOS unless ignore_eos, or a stop token id, once
-        min_tokens are out; the sampler bans them before), "length" (max_tokens reached) or None."""
+        """After a token is appended: "stop" (EOS unless ignore_eos, or a stop id, once min_tokens are out),
+        "length" or None."""
         p = seq.params
         n = seq.num_output_tokens
         token = seq.token_ids[-1]
@@ -24,8 +23,7 @@ class StopChecker:
 
 
 class StopStrings:
-    """Finds stop strings in a request's text as it grows. Text that could still become a stop string is
-    held back from the stream; text after a stop string is never released."""
+    """Holds back text that could still become a stop string; releases nothing after one."""
 
     def __init__(self, stop: list[str], include_stop_str: bool = False) -> None:
         self.stop = [s for s in stop if s]
@@ -35,8 +33,8 @@ class StopStrings:
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        """Add newly decoded `text`; returns what may be released now. After a stop string appears
-        (`stopped`), returns the text up to it (or through it with include_stop_str) and then nothing."""
+        """What of `text` may be released now: once a stop string appears (`stopped`), the text up to it (through
+        it with include_stop_str), then nothing."""
         if self.stopped or not text:
             return ""
         window = self.held + text
@@ -53,7 +51,7 @@ class StopStrings:
         return window[: len(window) - keep]
 
     def flush(self) -> str:
-        """At the end of generation: the held tail (it never became a stop string)."""
+        """At the end of generation: the held tail."""
         held, self.held = self.held, ""
         return "" if self.stopped else held
 

@@ -1,13 +1,4 @@
-"""The scheduler's waiting queue and its order: first come first served, or by request priority.
-
-`FcfsQueue` is a plain queue: new requests at the back, preempted ones at the front. `PriorityQueue`
-orders by each request's virtual arrival, `arrival_time + priority * priority_aging_s`, then by arrival:
-lower priorities run first, and a request's effective priority improves by one level per `priority_aging_s`
-seconds since it arrived. As the order of two requests never changes while they wait, the queue is kept
-sorted once, on insertion. A request of priority p is passed over only by requests whose virtual arrival is
-earlier; so once it has waited (p - q) * priority_aging_s, no later request of priority q or worse passes it
-(or preempts it): no request starves.
-"""
+"""The scheduler's waiting queue: fcfs, or by priority (docs/architecture.md, "Priority"; docs/priority.md)."""
 
 from __future__ import annotations
 
@@ -21,18 +12,16 @@ from tritium.backend.core.sequence import Sequence
 
 
 def priority_key(seq: Sequence, aging_s: float) -> tuple[float, int]:
-    """The order of `seq` under the priority policy, smaller first: (virtual arrival, arrival counter)."""
+    """Smaller first: (virtual arrival, arrival counter)."""
     return seq.arrival_time + seq.priority * aging_s, seq.arrival
 
 
 def outranks(seq: Sequence, other: Sequence, aging_s: float) -> bool:
-    """Whether waiting `seq` may preempt running `other`: a strictly lower (better) priority and an earlier
-    virtual arrival. Both are strict orders, so two sequences never preempt each other in turn."""
+    """Whether waiting `seq` may preempt running `other`: a strictly lower priority and an earlier virtual arrival."""
     return seq.priority < other.priority and priority_key(seq, aging_s) < priority_key(other, aging_s)
 
 
 class WaitingQueue(Protocol):
-    """What the scheduler asks of its waiting queue."""
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request."""
@@ -65,23 +54,18 @@ class FcfsQueue:
         self._queue: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` behind the others."""
         self._queue.append(seq)
 
     def push_front(self, seqs: Iterable[Sequence]) -> None:
-        """Put `seqs` in front, in their order."""
         self._queue.extendleft(reversed(list(seqs)))
 
     def peek(self) -> Sequence:
-        """The head."""
         return self._queue[0]
 
     def pop(self) -> Sequence:
-        """Take the head."""
         return self._queue.popleft()
 
     def remove(self, seq: Sequence) -> None:
-        """Drop `seq`."""
         self._queue.remove(seq)
 
     def __len__(self) -> int:
@@ -98,8 +82,7 @@ class FcfsQueue:
 
 
 class PriorityQueue:
-    """Sorted by `priority_key`: a preempted sequence goes back to its own place, ahead of everything that
-    arrived after it with the same priority."""
+    """Sorted by `priority_key`, so a preempted sequence goes back to its own place."""
 
     def __init__(self, aging_s: float) -> None:
         if not aging_s > 0:
@@ -109,28 +92,23 @@ class PriorityQueue:
         self._seqs: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        """Insert `seq` at its place."""
         key = priority_key(seq, self.aging_s)
         i = bisect.bisect_right(self._keys, key)
         self._keys.insert(i, key)
         self._seqs.insert(i, seq)
 
     def push_front(self, seqs: Iterable[Sequence]) -> None:
-        """Insert each of `seqs` at its place (their keys put them back where they were)."""
         for seq in seqs:
             self.add(seq)
 
     def peek(self) -> Sequence:
-        """The sequence with the smallest key."""
         return self._seqs[0]
 
     def pop(self) -> Sequence:
-        """Take the sequence with the smallest key."""
         del self._keys[0]
         return self._seqs.pop(0)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop `seq`."""
         i = bisect.bisect_left(self._keys, priority_key(seq, self.aging_s))
         while self._seqs[i] is not seq:
             i += 1

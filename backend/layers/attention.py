@@ -1,6 +1,4 @@
-"""Attention over the paged KV cache, and the kernel implementation every layer calls (`AttentionBackend`):
-`torch` is `tritium.kernels.reference` (any device), `triton` the Triton-language kernels (CUDA, or a CPU under
-TRITON_INTERPRET=1)."""
+"""Attention over the paged KV cache, and the kernels every layer calls (docs/architecture.md#kernel-interface)."""
 
 from __future__ import annotations
 
@@ -20,11 +18,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's key and value caches
 
 @dataclass
 class AttentionMetadata:
-    """How the packed tokens of one step map onto sequences and the paged cache.
-
-    Rows `[0, num_decode_tokens)` are decode rows (one query token per sequence), the rest are
-    prefill rows (several query tokens per sequence, the last ones of each context).
-    """
+    """One step's packed tokens over the paged cache: decode rows first (one query token each), then prefill."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int32
     num_decode_tokens: int
@@ -37,8 +31,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Kernel entry points for one implementation of `KernelOps` (kernels/interface.py), and the metadata
-    layout those kernels read."""
+    """One implementation of `KernelOps` (kernels/interface.py), bound."""
 
     def __init__(self, name: str, ops: KernelOps) -> None:
         self.name = name
@@ -57,7 +50,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend. q: [tokens, heads, d] -> same shape."""
+        """Store this step's K/V, then attend. q: [tokens, heads, d] -> same shape."""
         self.ops.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
@@ -93,7 +86,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Build the backend for `name` (see resolve_backend_name)."""
+    """Raises ValueError as resolve_backend_name does, or when triton is not installed."""
     resolved = resolve_backend_name(name, device)
     if resolved == "triton":
         try:
@@ -116,8 +109,6 @@ def check_attention_backend(config: ModelConfig, backend: str) -> None:
 
 
 class Attention(nn.Module):
-    """One layer's attention: writes the step's K/V into its cache, then attends (GQA: heads share KV heads)."""
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: AttentionBackend) -> None:
         super().__init__()

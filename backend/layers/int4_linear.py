@@ -1,26 +1,5 @@
-"""Weight-only int4 quantization (`EngineConfig.quantization = "int4"`), CPU only.
-
-Asymmetric, per group of `group_size` (default 32, like llama.cpp's Q4_1) consecutive weights of an output row:
-`w ~ (q - 8) * scale + zero` with q in [0, 15], `scale = (max - min) / 15`, `zero = min + 8 * scale`. The scales
-and zeros are rounded to bf16 before the codes are chosen, so every path multiplies the same weights (the packed
-op takes them in the activations' dtype). quantize_model (quantization.py) swaps every layer projection and the
-logits head for an `Int4Linear`, as for int8.
-
-How an `Int4Linear` multiplies (`Int4Linear.path`, chosen once per host and layer by `choose_int4_path`):
-- "cpu_bf16": `torch.ops.aten._weight_int4pack_mm_for_cpu` with bf16 activations, scales and zeros, on CPUs where
-  torch runs the op's vectorized kernels (capability AVX2 or AVX512; bf16 instructions are not needed: with the
-  AVX2 kernels, `ATEN_CPU_CAPABILITY=avx2`, it was still 13-45x faster than fp32 activations:
-  docs/quantization.md).
-- "cpu_fp32": the same op with fp32 activations, scales and zeros: exact to fp32 rounding but slow at every row
-  count (torch's fp32 int4 kernel is not vectorized); only when forced (tests, `client/bench/int8_matmul.py`).
-- "dequant": dequantize the weight to the input's dtype, then `F.linear`: shapes the packed op cannot take, and
-  CPUs without the vectorized kernels (`ATEN_CPU_CAPABILITY=default`: 5-40x faster than either packed form at 32
-  rows, up to 4x slower at one).
-The packed op needs (torch 2.13, checked by tests/unit/test_int4.py): `N % 16 == 0` and an even K to pack, a
-group size of 32, 64, 128 or 256 and `K % group_size == 0` to multiply, and scales in the activations' dtype;
-outside these it raises (it never returned wrong results in those tests). A layer outside them takes the dequant
-path, its last partial group padded with the row's last weight.
-"""
+"""`Int4Linear`: weight-only int4, `w ~ (q - 8) * scale + zero` per group of a row, CPU only; scales and zeros are
+bf16 values, so every path multiplies the same weights (docs/quantization.md#int4-cpu-only)."""
 
 from __future__ import annotations
 
@@ -30,17 +9,15 @@ from torch import nn
 
 GROUP_SIZE = 32
 GROUP_SIZES = (32, 64, 128, 256)  # the packed CPU op's group sizes
-INT4_PATHS = ("cpu_bf16", "cpu_fp32", "dequant")
+INT4_PATHS = ("cpu_bf16", "cpu_fp32", "dequant")  # cpu_fp32 (scalar kernel: slow) only when forced
 _PACKED_N_MULTIPLE = 16
 _VECTORIZED = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() values with the op's fast kernels
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
-    """Asymmetric int4 per group of `group_size` weights along each row of `weight` `[N, K]`: returns
-    `(q uint8 [N, Kp] in 0..15, scale fp32 [N, Kp // group_size], zero fp32 [same])` with Kp = K rounded up to a
-    multiple of `group_size` (the padding repeats each row's last weight) and `(q - 8) * scale + zero ~ weight`.
-    Scales and zeros are bf16 values; a constant group is exact up to bf16 rounding."""
+    """`weight` [N, K] -> (q uint8 [N, Kp], scale fp32 [N, Kp // group_size], zero fp32 [same]), Kp: K padded to
+    whole groups with each row's last weight. A constant group is exact up to bf16 rounding."""
     n, k = weight.shape
     w = weight.detach().float()
     pad = -k % group_size
@@ -66,13 +43,12 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
 
 
 def packable(out_features: int, in_features: int, group_size: int) -> bool:
-    """Whether the packed CPU op can multiply an `[out_features, in_features]` weight in groups of `group_size`."""
+    """Whether the packed CPU op takes this shape; outside its limits (tests/unit/test_int4.py) the op raises."""
     return out_features % _PACKED_N_MULTIPLE == 0 and group_size in GROUP_SIZES and in_features % group_size == 0
 
 
 def choose_int4_path(device: torch.device, out_features: int, in_features: int, group_size: int) -> str:
-    """The multiply an Int4Linear of this shape uses on `device` (see the module docstring). Raises ValueError
-    off the CPU (int4 is CPU only: `check_quantization_device`)."""
+    """The multiply path for this shape on `device`. Raises ValueError off the CPU."""
     if device.type != "cpu":
         raise ValueError(f"Int4Linear runs on CPUs only, got a weight on {device}")
     if not packable(out_features, in_features, group_size) \
@@ -82,11 +58,8 @@ def choose_int4_path(device: torch.device, out_features: int, in_features: int, 
 
 
 class Int4Linear(nn.Module):
-    """`y = x @ dequant(q).T + bias` with int4 weights in groups of `group_size` along the reduction (quantized
-    here from `weight`). `out_dtype` None returns the input's dtype (the logits head asks for float32).
-
-    Raises ValueError for a group size other than 32, 64, 128, 256, a weight off the CPU, or a forced `path` the
-    shape cannot take."""
+    """`x @ dequant(q).T + bias`, quantized from `weight`; `out_dtype` None: the input's. Raises ValueError for
+    a group size not in GROUP_SIZES, a weight off the CPU, or a forced `path` the shape cannot take."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
                  path: str | None = None, group_size: int = GROUP_SIZE) -> None:

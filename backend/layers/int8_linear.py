@@ -1,15 +1,5 @@
-"""`Int8Linear`: weight-only int8 with one fp32 scale per output row (`quantization = "int8"`; quantize_model in
-models/quantization.py swaps it in).
-
-`q = round(w / scale)` in [-127, 127], `scale = max|w_row| / 127`. How it multiplies (`Int8Linear.path`, chosen once
-per host and layer by `choose_path`):
-- "cpu_bf16": `torch.ops.aten._weight_int8pack_mm` with bf16 activations, then the fp32 scales: the fastest on CPUs
-  with bf16 instructions (AVX512-BF16 / AMX).
-- "cpu_fp32": the same op with fp32 activations for up to 4 rows, dequantize-then-matmul above (CPUs without bf16
-  instructions).
-- "dequant": dequantize the weight, then `F.linear` (any shape; CUDA without Triton).
-- "triton": the Triton W8A16 GEMM (kernels/int8_gemm.py): dequantized in the kernel, fp32 accumulation.
-"""
+"""`Int8Linear`: weight-only int8, one fp32 scale per output row (`quantization = "int8"`). Its multiply paths:
+docs/quantization.md#int8."""
 
 from __future__ import annotations
 
@@ -22,14 +12,13 @@ from torch import nn
 
 PATHS = ("cpu_bf16", "cpu_fp32", "dequant", "triton")
 _PACKED_K_MULTIPLE = 32  # _weight_int8pack_mm on CPU computes wrong results (or crashes) for other K
-# With fp32 activations the packed op beats dequantize-then-matmul only for a few rows (client/bench/int8_matmul.py:
-# the default model's 30 layers + head, one thread: 1 row 119 vs 246 ms per step, 32 rows 4100 vs 312 ms).
+# fp32 activations: the packed op beats dequantize-then-matmul only for a few rows (docs/quantization.md).
 _CPU_FP32_MAX_ROWS = 4
 
 
 @functools.cache
 def cpu_has_bf16_instructions() -> bool:
-    """True when this CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags)."""
+    """Whether /proc/cpuinfo's flags have AVX512-BF16 or AMX-BF16."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -42,8 +31,7 @@ def cpu_has_bf16_instructions() -> bool:
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: `(q int8 [N, K], scale fp32 [N])` with `q * scale[:, None] ~ weight`.
-    An all-zero row gets scale 1 (and zeros)."""
+    """`(q int8 [N, K], scale fp32 [N])`, `q * scale[:, None] ~ weight`; an all-zero row gets scale 1."""
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
@@ -56,7 +44,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def choose_path(device: torch.device, in_features: int) -> str:
-    """The multiply an Int8Linear of reduction size `in_features` uses on `device` (see the module docstring)."""
+    """The multiply path on `device` (dequant: CUDA without triton, shapes the packed op cannot take)."""
     if device.type == "cuda":
         try:
             import tritium.kernels.int8_gemm  # noqa: F401  (needs triton)
@@ -69,9 +57,7 @@ def choose_path(device: torch.device, in_features: int) -> str:
 
 
 class Int8Linear(nn.Module):
-    """`y = x @ dequant(qweight).T + bias` with an int8 weight and one fp32 scale per output row.
-
-    `out_dtype` None returns the input's dtype (the logits head asks for float32)."""
+    """`x @ dequant(qweight).T + bias`; `out_dtype` None: the input's. Raises ValueError for an unknown `path`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
                  path: str | None = None) -> None:
@@ -85,8 +71,8 @@ class Int8Linear(nn.Module):
         self.path = path or choose_path(weight.device, self.in_features)
         if self.path not in PATHS:
             raise ValueError(f"Int8Linear path must be one of {PATHS}, got {self.path!r}")
-        # The bf16 path's op wants scales in the activations' dtype and returns bf16: it gets unit scales and the
-        # fp32 scales multiply its result, which halves the error of bf16 scales (perplexity: docs/quantization.md).
+        # The bf16 op wants bf16 scales: it gets unit ones and the fp32 scales multiply its result, which costs
+        # less accuracy (docs/quantization.md).
         self.unit_bf16 = torch.ones_like(self.scale, dtype=torch.bfloat16) if self.path == "cpu_bf16" else None
 
     qweight: torch.Tensor

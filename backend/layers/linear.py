@@ -7,8 +7,7 @@ from torch import nn
 
 
 def cpu_packing_available(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can pack linear weights of `dtype` on this CPU: fp32 wherever torch has oneDNN, bf16 only
-    where the CPU has bf16 instructions (AVX512-BF16, AMX); never fp16."""
+    """Whether oneDNN can pack `dtype` weights here: fp32, or bf16 on CPUs with bf16 instructions."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     if dtype == torch.float32:
@@ -17,9 +16,7 @@ def cpu_packing_available(dtype: torch.dtype) -> bool:
 
 
 class CpuPackedLinear(nn.Module):
-    """An fp32 or bf16 linear whose weight oneDNN packs once at load time. At the small row counts of decode
-    steps `F.linear` repacks the weight on every call: packed is about 1.5x faster in fp32 and 10x in bf16 (the
-    default model's projections at one row, `python -m tritium.client.bench.int8_matmul`)."""
+    """Packed once at load: at a decode step's few rows `F.linear` repacks every call (docs/quantization.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -13,7 +13,7 @@ from tritium.backend.model_config import rope_type
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3's `llama3` or plain `linear` scaling when `scaling` says so."""
+    """Inverse frequencies, with `llama3` or `linear` scaling. Raises ValueError for another rope type."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = rope_type(scaling)
     if kind == "default":

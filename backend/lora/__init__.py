@@ -1,2 +1,1 @@
-"""Multi-LoRA: PEFT adapters (adapter.py), resident slots (manager.py), stacked device weights (weights.py)
-and the shrink / expand ops (ops.py)."""
+"""Multi-LoRA (docs/lora.md; design: docs/architecture.md#lora)."""

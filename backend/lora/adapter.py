@@ -1,5 +1,5 @@
-"""PEFT LoRA adapters: read `adapter_config.json` + `adapter_model.safetensors`, check them against the model,
-and identify them by content (the prefix cache keys a block by that hash, never by name)."""
+"""PEFT LoRA adapters: read and check one against the model, and hash its content (the prefix cache's key, never
+the name). What is served and refused: docs/lora.md."""
 
 from __future__ import annotations
 
@@ -50,9 +50,7 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 @dataclass(eq=False)
 class LoraAdapter:
-    """One loaded adapter in host memory: `weights[(layer, module)] = (A [rank, in], B [out, rank])` in the
-    model's dtype, `scaling` (lora_alpha / r, or / sqrt(r) with rslora), and `content_hash`, 16 bytes over the
-    weights and the scaling: two adapters with equal hashes compute the same thing."""
+    """Host weights `(layer, module) -> (A [rank, in], B [out, rank])`; equal `content_hash`es compute the same."""
 
     name: str
     folder: Path
@@ -81,7 +79,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 
 def _check_config(folder: Path, raw: dict[str, Any], max_rank: int) -> tuple[int, float]:
-    """The rank and the scaling `raw` declares. Raises LoraAdapterError naming what is wrong."""
+    """(rank, scaling). Raises LoraAdapterError naming what is wrong."""
     where = f"LoRA adapter {folder}"
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoraAdapterError(f"{where}: peft_type {raw.get('peft_type')!r} is not supported (only LORA)")
@@ -103,13 +101,11 @@ def _check_config(folder: Path, raw: dict[str, Any], max_rank: int) -> tuple[int
 
 
 def _module_names(config: ModelConfig) -> list[str]:
-    """PEFT's name of each module an adapter may target in a model of `config`, as LlamaForCausalLM names it
-    (`model.layers.3.self_attn.q_proj`)."""
+    """PEFT's names of the modules an adapter may target (`model.layers.3.self_attn.q_proj`)."""
     return [f"model.layers.{layer}.{_PARENT[m]}.{m}" for layer in range(config.num_hidden_layers) for m in MODULES]
 
 
 def _str_or_list(where: str, entry: str, value: object) -> str | list[str] | None:
-    """`value` of config `entry`, one of PEFT's forms: None, a string or a list of strings."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -130,11 +126,8 @@ def _listed(entries: list[str], name: str) -> bool:
 
 
 def _left_out(folder: Path, raw: dict[str, Any], config: ModelConfig) -> dict[str, str]:
-    """The modules of a model of `config` (named as _module_names names them) that the adapter config `raw` does
-    not apply to, each with why, as PEFT reads target_modules (a list of names or name suffixes, "all-linear", or
-    any other string: a regex the whole name must match), exclude_modules (the same forms), layers_to_transform
-    (an int: that layer; a list: those layers) and layers_pattern. No target_modules (or an empty list) leaves
-    the choice of modules to the weights. Raises LoraAdapterError naming what cannot be served."""
+    """The modules `raw` leaves out, each with why, read as PEFT reads its entries (docs/lora.md). Raises
+    LoraAdapterError naming what cannot be served."""
     where = f"LoRA adapter {folder}"
     names = _module_names(config)
     targets = _str_or_list(where, "target_modules", raw.get("target_modules"))
@@ -174,8 +167,7 @@ def _left_out(folder: Path, raw: dict[str, Any], config: ModelConfig) -> dict[st
 
 def _left_out_layers(where: str, names: list[str], layers: object, pattern: str | list[str] | None,
                      num_layers: int) -> dict[str, str]:
-    """The modules of `names` that layers_to_transform `layers` leaves out, each module's layer found as PEFT
-    finds it: the number after the first two name segments, or after a segment that a layers_pattern matches."""
+    """A module's layer as PEFT finds it: the number after two name segments, or after a layers_pattern."""
     if isinstance(layers, int) and not isinstance(layers, bool):
         chosen = {layers}
     elif isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
@@ -257,10 +249,7 @@ def content_hash(rank: int, scaling: float, weights: dict[tuple[int, str], tuple
 
 
 def load_adapter(name: str, folder: str | Path, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
-    """Read and check the PEFT adapter in `folder` for a model of `config`, its weights in `dtype` on the host.
-    Returns the adapter with its content hash. Raises LoraAdapterError naming the folder and what is wrong: a
-    missing file, a rank above `max_rank`, an unknown target, a shape that does not fit the model, DoRA, bias,
-    modules_to_save or another unsupported PEFT feature."""
+    """Read and check the PEFT adapter in `folder`. Raises LoraAdapterError naming the folder and what is wrong."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise LoraAdapterError(f"LoRA adapter {name!r}: {folder} is not a folder")

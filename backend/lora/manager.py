@@ -1,11 +1,5 @@
-"""Which adapters are loaded (by name, in host memory) and which are resident (in a device slot).
-
-`max_loras` slots; an adapter takes one while a running sequence uses it (pinned) and keeps it afterwards
-until a slot is needed for another: the least recently used unpinned slot is then rewritten. A sequence whose
-adapter finds no slot waits (`acquire` returns None; the scheduler does not admit it yet). Unloading a name
-takes effect for new requests at once; the adapter itself lives on while accepted requests hold it
-(`retain` / `drop`), so they finish on the weights they started with.
-"""
+"""Which adapters are loaded (by name, in host memory) and which are resident in a device slot (pinned while a
+sequence runs on it, else reused least recently used first): docs/architecture.md#lora. Engine thread only."""
 
 from __future__ import annotations
 
@@ -33,13 +27,10 @@ class LoraManager:
 
     @property
     def max_loras(self) -> int:
-        """Slots: adapters resident at once."""
         return self.stacks.max_loras
 
     def load(self, name: str, folder: str | Path) -> LoraAdapter:
-        """Load the adapter in `folder` as `name` (host memory; a slot is taken when a request runs on it).
-        Returns it. Raises ValueError when `name` is loaded already or the adapter does not fit the model
-        (LoraAdapterError, naming what is wrong)."""
+        """Raises ValueError for an empty or loaded `name`, LoraAdapterError naming what does not fit the model."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a LoRA adapter's name must be a non-empty string, got {name!r}")
         if name in self.adapters:
@@ -49,8 +40,7 @@ class LoraManager:
         return adapter
 
     def unload(self, name: str) -> None:
-        """Forget `name`: new requests cannot name it; requests holding it finish on it first. Raises ValueError
-        naming an unknown adapter."""
+        """Requests holding it (`retain`) finish on it. Raises ValueError naming an unknown adapter."""
         adapter = self.get(name)
         del self.adapters[name]
         if not self._refs.get(adapter):
@@ -77,9 +67,8 @@ class LoraManager:
                 self._evict(adapter)
 
     def acquire(self, adapter: LoraAdapter) -> int | None:
-        """Pin `adapter` in a slot for a sequence about to run, writing it there when it is not resident
-        (into a free slot, else over the least recently used unpinned one). Returns the slot, or None when
-        every slot is pinned by other adapters (the sequence waits)."""
+        """Pin `adapter` in a slot, writing it there when not resident. Returns the slot, or None when every slot
+        is pinned by other adapters (the sequence waits)."""
         slot = self._slot_of.get(adapter)
         if slot is None:
             free = [i for i, a in enumerate(self._slots) if a is None]
@@ -100,14 +89,13 @@ class LoraManager:
         return slot
 
     def release(self, adapter: LoraAdapter) -> None:
-        """A sequence pinning `adapter` stopped running (finished or preempted)."""
+        """A sequence pinning `adapter` finished or was preempted."""
         slot = self._slot_of[adapter]
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
             self._idle[slot] = None
 
     def num_pinned(self) -> int:
-        """Slots pinned by running sequences."""
         return sum(1 for pins in self._pins if pins)
 
     def resident(self) -> list[str | None]:

@@ -1,22 +1,5 @@
-"""The LoRA shrink and expand ops in plain torch, with the signatures the Triton kernels will take.
-
-A step's rows are grouped by adapter slot once, on the host (`lora_groups`): the adapter rows' indices sorted
-by slot, and one segment (slot, start, end) per slot in use. For every row t of slot s:
-    shrink: buffer[i] = scaling[s] * x[t] @ A[s]^T         (A: [slots, rank, in]; i: t's place in the order)
-    expand: y[t]     += buffer[i] @ B[s]^T                  (B: [slots, out, rank])
-y may be a column slice of a fused projection's output (q, k or v of qkv; gate or up of gate_up): it is
-written in place, so strided views work. Rows of no adapter keep their values (the kernels never touch them,
-the torch form adds an exact 0 to them). The segments are host ints, so the reference launches no host-device
-synchronization.
-
-`add_lora` / `add_lora_fused` / `add_lora_rows` take `kernels`: None runs the torch code here (the engine on a
-CPU: exact, the reference the engine tests hold to transformers), a KernelOps module (kernels/lora.py through
-triton_ops: the engine with the triton attention backend, CUDA) runs its shrink and expand. `add_lora` is the
-segmented form (prefill and mixed steps), `add_lora_fused` the same for the modules of one fused projection
-(q/k/v, gate/up: their A side by side; the torch form shrinks them with one bmm); `add_lora_rows` takes one
-slot per row on the device (-1: none), which is what a decode step captured as a CUDA graph runs
-(decode_graphs.py): nothing in it depends on host values of the step.
-"""
+"""LoRA shrink / expand over a step's adapter rows, in torch or a KernelOps' kernels (docs/architecture.md#lora).
+Rows of no adapter keep their values exactly; y is written in place, so it may be a fused output's column slice."""
 
 from __future__ import annotations
 
@@ -31,8 +14,7 @@ Segment = tuple[int, int, int]  # (slot, start, end) into LoraGroups.token_indic
 
 
 def lora_groups(token_slots: list[int]) -> tuple[list[int], list[Segment]]:
-    """The rows of `token_slots` (-1: no adapter) sorted by slot, and one (slot, start, end) segment per slot
-    in use, in slot order."""
+    """The adapter rows (`token_slots` -1: none) sorted by slot, and a (slot, start, end) segment per slot used."""
     order = sorted((s, t) for t, s in enumerate(token_slots) if s >= 0)
     segments: list[Segment] = []
     for i, (slot, _) in enumerate(order):
@@ -48,28 +30,23 @@ LoraSlice = tuple[torch.Tensor, int, int]  # one module of a fused projection: (
 
 @dataclass
 class PaddedSegments:
-    """A step's segments padded to the longest, for one batched matmul over all of them (the torch form), S
-    segments of `length` places: `rows` [S * length] the row of x at each place (a padding place repeats a row
-    of its segment), `places` [T] each row of x's place (rows outside the segments: a padding place, whose
-    products `pad` zeroes; None when every row is in a segment), `slots` [S] int64, and `slot_range` (lo, hi)
-    when the slots are lo..hi-1 (the stacks are then sliced, not gathered)."""
+    """A step's S segments padded to `length` places each, for one batched matmul (the torch form)."""
 
-    rows: torch.Tensor
-    places: torch.Tensor
-    pad: torch.Tensor | None  # [S, length, 1] bool: True at padding places
+    rows: torch.Tensor  # [S * length]: the row of x at each place (a padding place repeats a row of its segment)
+    places: torch.Tensor  # [T]: each row of x's place (rows outside the segments read a zeroed padding place)
+    pad: torch.Tensor | None  # [S, length, 1] bool: True at padding places (None: every row is in a segment)
     slots: torch.Tensor
-    slot_range: tuple[int, int] | None
+    slot_range: tuple[int, int] | None  # (lo, hi) when the slots are lo..hi-1: the stacks are sliced, not gathered
     length: int
     _scale: torch.Tensor | None = field(default=None, repr=False)
 
     def stacked(self, weights: torch.Tensor) -> torch.Tensor:
-        """The segments' slots of a slot-stacked weight (`weights[slots]`; a view when they are a range)."""
         if self.slot_range is not None:
             return weights[self.slot_range[0] : self.slot_range[1]]
         return weights.index_select(0, self.slots)
 
     def scale(self, scaling: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Each segment's scaling as [S, 1, 1] in `dtype` (made on the first call: a step's scaling is fixed)."""
+        """Each segment's scaling as [S, 1, 1] (made once: a step's scaling is fixed)."""
         if self._scale is None:
             self._scale = scaling.index_select(0, self.slots).to(dtype).view(-1, 1, 1)
         return self._scale
@@ -77,13 +54,13 @@ class PaddedSegments:
 
 @dataclass
 class LoraGroups:
-    """A step's adapter rows: `token_indices` [adapter rows] (device) sorted by slot, `segments` on the host."""
+    """A step's adapter rows: `token_indices` (device) sorted by slot, `segments` on the host."""
 
     token_indices: torch.Tensor
     segments: list[Segment]
-    seg_starts: torch.Tensor | None = None  # the segments on the device (the kernels' form): starts [S+1] int32
+    seg_starts: torch.Tensor | None = None  # the staged device segments (kernels): starts [S+1] int32
     seg_slots: torch.Tensor | None = None  # and slots [S] int32; built from `segments` when None
-    _padded: PaddedSegments | None = field(default=None, repr=False)  # built once a step, by `padded()`
+    _padded: PaddedSegments | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -92,13 +69,10 @@ class LoraGroups:
 
     @property
     def max_rows(self) -> int:
-        """Rows of the longest segment."""
         return max((end - start for _, start, end in self.segments), default=0)
 
     def padded(self, total_rows: int) -> PaddedSegments:
-        """The segments laid out as [S, longest] for the batched torch form, for a step of `total_rows` rows
-        (built on the first call, then kept: every module of every layer of the step reuses it). The device
-        work is index arithmetic on `token_indices`, never a read of it on the host."""
+        """The segments padded for the torch form; built once a step (no host read of `token_indices`)."""
         if self._padded is not None and self._padded.places.shape[0] == total_rows:
             return self._padded
         counts = [end - start for _, start, end in self.segments]
@@ -125,8 +99,7 @@ class LoraGroups:
         return self._padded
 
     def device_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seg_starts [S+1], seg_slots [S]) int32 on token_indices' device: the staged ones, else built from
-        the host segments (one small copy each)."""
+        """(seg_starts [S+1], seg_slots [S]) int32 on the device: the staged ones, else built from `segments`."""
         if self.seg_starts is not None and self.seg_slots is not None:
             return self.seg_starts, self.seg_slots
         dev = self.token_indices.device
@@ -136,27 +109,22 @@ class LoraGroups:
 
 
 def segment_arrays(segments: list[Segment]) -> tuple[list[int], list[int]]:
-    """The host segments as the kernels take them: starts (with the end appended) and slots."""
+    """(starts with the end appended, slots): the segments as the kernels take them."""
     return [start for _, start, _ in segments] + [segments[-1][2] if segments else 0], [s for s, _, _ in segments]
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scaling: torch.Tensor, kernels: KernelOps | None = None) -> None:
-    """`y[t] += scaling[s] * (x[t] @ A[s]^T) @ B[s]^T` for every adapter row t of slot s (shrink then expand).
-    x: [T, in]; y: [T, out] (a view is fine); lora_a: [slots, rank, in]; lora_b: [slots, out, rank];
-    scaling: [slots] float32. `kernels`: run their segmented shrink / expand (None: the torch code here)."""
+    """`y[t] += scaling[s] * (x[t] @ A[s]^T) @ B[s]^T` for every adapter row t of slot s. x: [T, in]; y: [T, out];
+    lora_a: [slots, rank, in]; lora_b: [slots, out, rank]; scaling: [slots] float32; `kernels` None: torch."""
     add_lora_fused(y, x, groups, lora_a, [(lora_b, 0, y.shape[1])], scaling, kernels)
 
 
 def add_lora_fused(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a: torch.Tensor,
                    slices: Sequence[LoraSlice | None], scaling: torch.Tensor, kernels: KernelOps | None = None
                    ) -> None:
-    """`add_lora` for the modules of one fused projection, which read the same rows `x` and write column
-    slices of its output `y`: `lora_a` [slots, len(slices) * rank, in] holds module j's A at ranks
-    [j * rank, (j + 1) * rank); `slices[j]` is its (B [slots, out_j, rank], start, end), and
-    `y[t, start:end] += scaling[s] * (x[t] @ A_j[s]^T) @ B_j[s]^T` for every adapter row t of slot s (None: module
-    j is skipped). The torch form gathers the rows once and shrinks every module with one bmm; `kernels` run
-    their segmented shrink / expand per module."""
+    """`add_lora` for one fused projection's modules: module j's A is `lora_a[:, j * rank : (j + 1) * rank]`,
+    `slices[j]` its (B, start, end) column slice of `y` (None: skipped)."""
     if not groups.segments or not any(slices):
         return
     rank = lora_a.shape[1] // len(slices)
@@ -177,11 +145,8 @@ def add_lora_fused(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a:
 
 def _add_lora_padded(y: torch.Tensor, x: torch.Tensor, padded: PaddedSegments, lora_a: torch.Tensor,
                      slices: Sequence[LoraSlice | None], rank: int, scaling: torch.Tensor) -> None:
-    """The torch form: one bmm for the shrink of every module and one per module for the expand, over the
-    padded segments (a decode step mixing adapters would otherwise pay a few small ops per adapter and module
-    in every layer: on a CPU that op overhead, not the math, is the cost). The products go back by a gather
-    of each row's place and a dense add, one for each run of adjacent column slices (an index_add into a
-    column slice of the fused output is several times slower on a CPU)."""
+    """A few bmms over padded segments, not small ops per adapter (on a CPU op overhead is the cost); a gather and
+    a dense add per run of adjacent slices, since index_add into a column slice is slower on a CPU."""
     num_segments, length = padded.slots.shape[0], padded.length
     xs = x.index_select(0, padded.rows).view(num_segments, length, -1)
     buffer = torch.bmm(xs, padded.stacked(lora_a).transpose(1, 2))
@@ -205,9 +170,8 @@ def _add_lora_padded(y: torch.Tensor, x: torch.Tensor, padded: PaddedSegments, l
 
 def add_lora_rows(y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, lora_a: torch.Tensor,
                   lora_b: torch.Tensor, scaling: torch.Tensor, kernels: KernelOps | None = None) -> None:
-    """`y[t] += scaling[s] * (x[t] @ A[s]^T) @ B[s]^T` for every row t with `row_slots[t] = s >= 0` (a device
-    tensor [T]); other rows are not changed. No host value of the step is read, so a CUDA graph may capture it.
-    `kernels`: run their per-row shrink / expand (None: batched torch, for a CPU)."""
+    """`add_lora` with one slot per row on the device (-1: none). Reads no host value of the step, so a CUDA
+    graph may capture it."""
     if kernels is not None:
         buffer = x.new_empty(row_slots.shape[0], lora_a.shape[1])
         kernels.lora_shrink_rows(x, lora_a, scaling, row_slots, buffer)

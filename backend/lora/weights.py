@@ -1,5 +1,4 @@
-"""The resident adapters on the model's device: per layer and module, A and B stacked over `max_loras` slots
-(ranks padded with zeros to `max_lora_rank`), and a step's view of them for the model's projections."""
+"""The resident adapters' weights stacked over the device slots, and a step's adapter rows over them."""
 
 from __future__ import annotations
 
@@ -21,25 +20,20 @@ _PROJ_OF = {module: proj for proj, parts in FUSED.items() for module in parts}
 
 
 class LoraStacks:
-    """Slot-stacked adapter weights on `device`: `a[layer][module]` [max_loras, max_rank, in] (a view of
-    `a_fused[layer][proj]` [max_loras, modules * max_rank, in], the fused projection's modules in FUSED order)
-    and `b[layer][module]` [max_loras, out, max_rank] in `dtype` (with `b_rank_major`, for the torch form: a
-    transposed view of a [max_loras, max_rank, out] tensor; else contiguous, as the kernels need), `scaling`
-    [max_loras] float32. An empty slot and a module an adapter does not target hold zeros, which add nothing.
-    `targets[slot]`: the (layer, module)s its adapter has, `proj_targets[slot]` the (layer, fused projection)s."""
+    """`a[layer][module]` [max_loras, max_rank, in], `b[layer][module]` [max_loras, out, max_rank], written in place
+    (captured graphs see later adapters); zeros wherever an adapter has no weight, which add nothing."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device, b_rank_major: bool = False) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         shapes = module_shapes(config)
-        # A of a fused projection's modules side by side on the rank axis, each module's A a view of it: the
-        # torch form shrinks all of them with one bmm, the kernels read the views (they take strides)
+        # A of a fused projection's modules side by side on the rank axis: the torch form shrinks them with one bmm
         self.a_fused = [{proj: torch.zeros(max_loras, len(parts) * max_rank, shapes[parts[0]][0], dtype=dtype,
                                            device=device) for proj, parts in FUSED.items()}
                         for _ in range(config.num_hidden_layers)]
         self.a = [{m: fused[proj][:, j * max_rank : (j + 1) * max_rank] for proj, parts in FUSED.items()
                    for j, m in enumerate(parts)} for fused in self.a_fused]
-        if b_rank_major:  # the torch form's expand reads B^T: a [slots, rank, out] bmm operand is ~1.3-1.5x faster
+        if b_rank_major:  # the torch form's expand is faster on a rank-major B^T
             self.b = [{m: torch.zeros(max_loras, max_rank, shapes[m][1], dtype=dtype, device=device).transpose(1, 2)
                        for m in MODULES} for _ in range(config.num_hidden_layers)]
         else:  # the kernels read B with unit stride on the rank axis
@@ -50,8 +44,7 @@ class LoraStacks:
         self.proj_targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self.slices = {fused: _slices(shapes, parts) for fused, parts in FUSED.items()}
         self.num_layers = config.num_hidden_layers
-        # every module's slice of each fused projection, and (rank-major stacks) B as the CPU kernel reads it:
-        # made once, so a decode step's calls pass them as they are
+        # every module's slice of each projection, and B as the CPU kernel reads it: made once for decode steps
         self.full_slices: list[dict[str, list[LoraSlice | None]]] = [
             {proj: [(self.b[layer][m], start, end) for m, start, end in self.slices[proj]] for proj in FUSED}
             for layer in range(config.num_hidden_layers)]
@@ -61,11 +54,10 @@ class LoraStacks:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the stacks take (all slots)."""
+        """Device bytes of all slots."""
         return sum(t.nbytes for layer in (*self.a, *self.b) for t in layer.values())
 
     def covers_all(self, slot: int) -> bool:
-        """Whether `slot`'s adapter targets every module of every layer."""
         return len(self.targets[slot]) == self.num_layers * len(MODULES)
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
@@ -79,7 +71,6 @@ class LoraStacks:
         self.proj_targets[slot] = frozenset((layer, _PROJ_OF[module]) for layer, module in adapter.weights)
 
     def clear(self, slot: int) -> None:
-        """Zero `slot`."""
         for layer in (*self.a, *self.b):
             for t in layer.values():
                 t[slot].zero_()
@@ -98,13 +89,8 @@ def _slices(shapes: dict[str, tuple[int, int]], parts: tuple[str, ...]) -> list[
 
 @dataclass
 class LoraBatch:
-    """One step's adapter rows over `stacks`, in one of three forms: grouped by slot (`groups`, eager steps),
-    laid out in windows by the runner (`windows`: the decode rows of eager steps of the torch form, windows.py;
-    the step's prefill rows, if any, then in `groups`), or one slot per row on the device (`row_slots`, -1 for
-    none: decode steps captured as CUDA graphs, which run every module of every row since the slots are not
-    known when the graph is captured). `kernels`: the ops module running shrink and expand (lora/ops.py; None:
-    torch). The runner builds it only when the step has adapter rows, so base-only steps run the projections
-    untouched."""
+    """A step's adapter rows (built only when it has some): by slot (`groups`), decode rows in `windows` (torch
+    form), or one slot per row (`row_slots`: CUDA graphs)."""
 
     groups: LoraGroups | None
     stacks: LoraStacks
@@ -112,14 +98,12 @@ class LoraBatch:
     kernels: KernelOps | None = None
     windows: LoraWindows | None = None
     native: CpuLora | None = None  # the CPU kernel of the windowed form (kernels/cpu_lora.py), where built
-    _subsets: dict[tuple[Segment, ...], LoraGroups] = field(default_factory=dict, repr=False)  # torch form's
+    _subsets: dict[tuple[Segment, ...], LoraGroups] = field(default_factory=dict, repr=False)
     _covers_all: bool | None = field(default=None, repr=False)  # every window's adapter targets every module
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add the adapters' deltas to `y`, the output of the fused projection `proj` (qkv_proj, o_proj,
-        gate_up_proj, down_proj) of `layer` for input rows `x`, slice by slice, in place. A module no slot of
-        the step targets is skipped; the torch form also leaves out the slots that target none of `proj`'s
-        modules (a slot's weights for a module it does not target are zeros, which add nothing)."""
+        """Add the adapters' deltas to `y`, the output of `layer`'s fused projection `proj` for input rows `x`,
+        in place, skipping modules no slot of the step targets."""
         stacks, groups = self.stacks, self.groups
         if self.windows is not None:  # a step's decode rows; its prefill rows, if any, are in `groups`
             self._apply_windows(layer, proj, x, y, self.windows)
@@ -146,8 +130,6 @@ class LoraBatch:
         add_lora_fused(y, x, subset, stacks.a_fused[layer][proj], slices, stacks.scaling)
 
     def _apply_windows(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor, windows: LoraWindows) -> None:
-        """The windowed form; when every window's adapter targets every module (checked once a step), with the
-        stacks' own slices and B as they are, which spares a decode step's ~120 calls their Python work."""
         stacks = self.stacks
         if self._covers_all is None:
             self._covers_all = all(stacks.covers_all(slot) for slot in windows.slots)
@@ -159,7 +141,7 @@ class LoraBatch:
                              stacks.scaling, self.native)
 
     def _slices(self, layer: int, proj: str, slots: list[int]) -> list[LoraSlice | None]:
-        """`proj`'s module slices (B, start, end), None for a module none of `slots` targets in `layer`."""
+        """`proj`'s (B, start, end) slices, None for a module none of `slots` targets in `layer`."""
         b, targets = self.stacks.b[layer], self.stacks.targets
         return [(b[module], start, end) if any((layer, module) in targets[slot] for slot in slots) else None
                 for module, start, end in self.stacks.slices[proj]]

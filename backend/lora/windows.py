@@ -1,17 +1,6 @@
-"""A decode step's adapter rows laid out in windows: the torch form of LoRA without gathers or scatters.
-
-On a CPU the padded form of ops.py spends most of a decode step's LoRA time not on its matmuls but on moving
-rows: a gather of the input rows and a gather of each row's product per projection, ~8 small ops per layer
-that read cold memory between the base GEMMs. The order of a decode step's rows is free (logits come back in
-scheduled order through the logit rows), so the runner lays them out for the adapters instead: window k is
-rows [k * length, (k + 1) * length), slot `slots[k]`'s rows first, then rows of no adapter (fillers). Then
-`x[: S * length]` viewed as [S, length, in] is the batch of the shrink bmm as it lies, and
-`y[: S * length]` viewed as [S, length, out] takes each expand's product in place; fillers' products are
-zeroed (an exact 0 added, whatever their rows hold). It needs as many rows of no adapter as the windows have
-gaps: `plan_windows` returns None otherwise, and the step takes the padded form. The CPU kernel
-(kernels/cpu_lora.py) reads rows wherever a window starts, so for it the windows are packed instead (each
-slot's rows right after the previous slot's, no fillers), which fits every decode step.
-"""
+"""A CPU decode step's rows laid out in windows by slot, since moving rows, not the matmuls, is most of ops.py's
+padded form's cost: window k holds slot `slots[k]`'s rows, then rows of no adapter (fillers, products zeroed), so
+`x` viewed as [S, length, in] is the shrink's batch as it lies. For the CPU kernel they are packed (no fillers)."""
 
 from __future__ import annotations
 
@@ -26,16 +15,13 @@ from tritium.kernels.cpu_lora import CpuLora
 
 @dataclass
 class LoraWindows:
-    """A step's windows: `slots[k]` (ascending) has `counts[k]` rows from row `starts[k]`. Evenly spaced
-    windows (`starts[k] = k * length`, no `starts` given) are what the torch form reads as one batch, fillers
-    after each window's rows; packed ones (each slot's rows right after the previous slot's, no fillers) only
-    the CPU kernel reads as they are."""
+    """`slots[k]` (ascending) has `counts[k]` rows from `starts[k]` (default `k * length`: even; else packed)."""
 
     slots: list[int]
     counts: list[int]
     length: int  # the longest window
     starts: list[int] = field(default_factory=list)
-    _slot_index: torch.Tensor | None = field(default=None, repr=False)  # the device tensors, made once a step
+    _slot_index: torch.Tensor | None = field(default=None, repr=False)  # device tensors, made once a step
     _scale: torch.Tensor | None = field(default=None, repr=False)
     _fillers: torch.Tensor | None = field(default=None, repr=False)
 
@@ -45,22 +31,20 @@ class LoraWindows:
 
     @property
     def even(self) -> bool:
-        """Whether window k starts at row k * length (the torch form's batch)."""
+        """Whether window k starts at row k * length."""
         return self.starts == self._even_starts()
 
     def _even_starts(self) -> list[int]:
         return [k * self.length for k in range(len(self.slots))]
 
     def stacked(self, weights: torch.Tensor) -> torch.Tensor:
-        """`weights[slots]` of a slot-stacked weight: a view when the slots are a range, else a gather."""
         lo = self.slots[0]
         if self.slots == list(range(lo, lo + len(self.slots))):
             return weights[lo : lo + len(self.slots)]
         return weights.index_select(0, self._slots(weights.device))
 
     def scale_and_fillers(self, scaling: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each window's scaling as [S, 1, 1] in `dtype`, and the fillers' places as a [S, length, 1] bool
-        mask (None when no window has a filler)."""
+        """Each window's scaling [S, 1, 1], and the fillers' [S, length, 1] bool mask (None: no filler)."""
         if self._scale is None:
             dev = scaling.device
             self._scale = scaling.index_select(0, self._slots(dev)).to(dtype).view(-1, 1, 1)
@@ -76,11 +60,8 @@ class LoraWindows:
 
 
 def plan_windows(row_slots: list[int], packed: bool = False) -> tuple[list[int], LoraWindows] | None:
-    """The windowed order of a decode step's rows (`row_slots`: each row's slot, -1 for none): the rows'
-    indices in their new order (windows first, in slot order, then the rows of no adapter left over) and the
-    windows. Even windows (the torch form) take rows of no adapter as fillers: None when there are too few, or
-    no adapter row. `packed` (the CPU kernel) puts each slot's rows right after the previous slot's, which
-    always fits."""
+    """The rows' indices in windowed order (windows, then the leftover rows of no adapter) and the windows. None
+    when no row has an adapter, or (even windows) too few rows of no adapter fill the gaps."""
     by_slot: dict[int, list[int]] = {}
     base: list[int] = []
     for row, slot in enumerate(row_slots):
@@ -107,12 +88,8 @@ def plan_windows(row_slots: list[int], packed: bool = False) -> tuple[list[int],
 def add_lora_windows(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torch.Tensor,
                      slices: Sequence[LoraSlice | None], scaling: torch.Tensor, native: CpuLora | None = None,
                      b_rows: list[torch.Tensor | None] | None = None) -> None:
-    """`add_lora_fused` (ops.py) for rows laid out in `windows`: `y[t, start:end] += scaling[s] * (x[t] @
-    A_j[s]^T) @ B_j[s]^T` for every row t of window slot s and module j (`slices[j]`: (B [slots, out_j, rank],
-    start, end), None: skipped); fillers and rows past the windows are left as they are. x: [T, in] and
-    y: [T, out], T covering every window; y may be a view (its rows are written in place). `native`: the
-    CPU kernel (kernels/cpu_lora.py), used for fp32 operands in the layout it reads (B rank-major), else the
-    torch code here; `b_rows`: each slice's B in that layout (`B.transpose(1, 2)`), when the caller has it."""
+    """`add_lora_fused` (ops.py) for rows laid out in `windows`; fillers and rows past them are left as they are.
+    `native` runs fp32 operands in its layout; `b_rows`: each slice's B as it reads it (`B.transpose(1, 2)`)."""
     if not any(slices):
         return
     if native is not None and _native(y, x, windows, lora_a, slices, scaling, native, b_rows):
@@ -138,8 +115,7 @@ def add_lora_windows(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lor
 
 def _per_window(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torch.Tensor,
                 slices: Sequence[LoraSlice | None], scaling: torch.Tensor) -> None:
-    """Packed windows in torch, a shrink and expands per window (the kernel's layout when the kernel cannot take
-    the operands: slow, never wrong)."""
+    """Packed windows the kernel cannot take: slow, never wrong."""
     rank = lora_a.shape[1] // len(slices)
     for slot, start, count in zip(windows.slots, windows.starts, windows.counts, strict=True):
         rows = slice(start, start + count)
@@ -153,7 +129,7 @@ def _per_window(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: 
 def _native(y: torch.Tensor, x: torch.Tensor, windows: LoraWindows, lora_a: torch.Tensor,
             slices: Sequence[LoraSlice | None], scaling: torch.Tensor, native: CpuLora,
             b_rows: list[torch.Tensor | None] | None) -> bool:
-    """Run the CPU kernel when the operands are what it reads; returns whether it ran."""
+    """Whether the CPU kernel took the operands and ran."""
     if x.dtype != torch.float32 or x.stride(1) != 1 or y.stride(1) != 1 or y.dtype != torch.float32:
         return False
     if b_rows is None:

@@ -1,10 +1,5 @@
-"""Convert a Llama-architecture GGUF file into a Hugging Face folder.
-
-Weights are dequantized with the `gguf` package (numpy) to fp32 safetensors; the row permutation
-llama.cpp applies to Q and K is undone; the byte-level BPE tokenizer and the chat template come
-from the GGUF metadata. The folder appears atomically: it is built under a temporary name and
-renamed when complete, so a killed conversion leaves no half folder behind.
-"""
+"""Convert a Llama-architecture GGUF file into a Hugging Face folder: fp32 weights (llama.cpp's Q/K row
+permutation undone), and the byte-level BPE tokenizer and chat template from the GGUF metadata."""
 
 from __future__ import annotations
 
@@ -52,7 +47,7 @@ def unpermute_qk(weight: npt.NDArray[Any], num_heads: int) -> npt.NDArray[Any]:
 
 
 def build_config(reader: GGUFReader) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config.json, generation_config.json) contents from the GGUF metadata."""
+    """(config.json, generation_config.json) contents. Raises ValueError for an architecture other than llama."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
@@ -93,7 +88,7 @@ def build_config(reader: GGUFReader) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def build_tokenizer(reader: GGUFReader) -> tuple[HFTokenizer, dict[str, Any]]:
-    """A byte-level BPE `tokenizers.Tokenizer` and the tokenizer_config.json contents."""
+    """The tokenizer and tokenizer_config.json's contents. Raises ValueError for a tokenizer other than gpt2's."""
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
@@ -162,10 +157,8 @@ def convert_weights(reader: GGUFReader, config: dict[str, Any], progress: bool =
 
 
 def convert_gguf(gguf_path: str | Path, dest: str | Path, progress: bool = True) -> Path:
-    """Convert `gguf_path` into the Hugging Face folder `dest` (atomically) and return `dest`.
-
-    If `dest` already exists it is returned untouched.
-    """
+    """Returns `dest`, untouched when it exists. Built under a temporary name and renamed, so a killed conversion
+    leaves no half folder."""
     dest = Path(dest)
     if (dest / "config.json").is_file():
         return dest

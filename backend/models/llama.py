@@ -1,9 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch.
-
-Packed tokens, no batch dimension: a step's tokens from all sequences are one `[num_tokens]` row. Q/K/V and
-gate/up projections are fused into one matmul each. A step with LoRA adapter rows passes a `LoraBatch`, which adds
-each adapter's delta to the projections' outputs.
-"""
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch: a step's tokens packed in one row,
+Q/K/V and gate/up fused, a step's `LoraBatch` adding the adapters' deltas to the projections' outputs."""
 
 from __future__ import annotations
 

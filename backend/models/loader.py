@@ -62,8 +62,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def checkpoint_numel(folder: Path) -> int:
-    """How many weight elements `folder`'s safetensors hold (read from their headers, nothing loaded). Raises
-    ModelFolderError as weight_files does."""
+    """Weight elements in `folder`'s safetensors, from their headers. Raises ModelFolderError as weight_files does."""
     total = 0
     for f in weight_files(folder):
         with safe_open(str(f), framework="pt") as st:
@@ -84,16 +83,10 @@ def load_model(
     quantization: str | None = None, quantization_options: QuantizationOptions | None = None,
     backend: AttentionBackend | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for `folder` with its weights in `dtype` on `device`; `quantization` "int8" or "int4" (CPU
-    only) quantizes every linear layer and the logits head from those weights (quantization.py;
-    `quantization_options`: measurement knobs, None the defaults); its layers call `backend`'s kernels (None: the
-    torch references).
-
-    Raises ModelFolderError for a missing file, an unsupported architecture or feature, missing tensors,
-    tensors the model code would not use (a feature it does not implement), or a `max_positions`
-    beyond the model's context (its sliding window, when it has one, would be active); ValueError for an unknown
-    `quantization` or one `device` cannot run (int4 on CUDA), before any weight is read.
-    """
+    """`backend` None: the torch references. Raises ModelFolderError for a missing file, an unsupported
+    architecture or feature, missing tensors or tensors the model would not use, or a `max_positions` beyond the
+    model's context (where a sliding window would be active); ValueError, before any weight is read, for a
+    `quantization` unknown or that `device` cannot run."""
     folder = Path(folder)
     check_quantization(quantization)
     check_quantization_device(quantization, device)

@@ -1,7 +1,5 @@
-"""`quantize_model`: weight-only quantization of a loaded model's projections and logits head, int8 (layers/
-int8_linear.py) or int4 (CPU only; layers/int4_linear.py). The token embedding, norms, rotary and attention stay in
-the model's dtype; with tied embeddings the logits head gets its own quantized copy.
-"""
+"""`quantize_model`: weight-only int8 or int4 of a loaded model's projections and logits head
+(docs/quantization.md)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from tritium.backend.models.llama import PROJECTIONS, LlamaForCausalLM
 
 @dataclass(frozen=True)
 class QuantizationOptions:
-    """quantize_model's measurement knobs (the engine uses the defaults): int4's group size (None: 32), the logits
-    head's scheme (None: HEAD_SCHEMES[scheme]) and forced multiplies (`path` for the layers, `head_path`; None:
-    chosen per host and shape)."""
+    """quantize_model's measurement knobs; the engine uses the defaults (None: int4 groups of 32, the head in
+    HEAD_SCHEMES[scheme], multiply paths chosen per host and shape)."""
 
     group_size: int | None = None
     head: str | None = None
@@ -28,8 +25,7 @@ class QuantizationOptions:
     head_path: str | None = None
 
 
-# The logits head of "int4" stays int8: an int4 head (49152 x 576, tied to the embedding) alone raised the default
-# model's perplexity by 9% against +0.3% for int4 layers with an int8 head (docs/quantization.md).
+# int4's logits head stays int8: an int4 head costs far more accuracy than int4 layers (docs/quantization.md).
 HEAD_SCHEMES = {"int8": "int8", "int4": "int8"}
 
 
@@ -41,11 +37,8 @@ def _linear(scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, path: 
 
 
 def quantize_model(model: LlamaForCausalLM, scheme: str, options: QuantizationOptions | None = None) -> None:
-    """Quantize `model` (a loaded LlamaForCausalLM) in place: every layer projection in `scheme`, the logits head in
-    HEAD_SCHEMES[scheme] (`options`: measurement knobs, None the defaults).
-
-    Raises ValueError naming the scheme unless it is implemented here (int4 off a CPU), or the part of the model
-    it cannot quantize (a projection that is not a plain nn.Linear, e.g. already packed)."""
+    """Quantize `model` in place, its logits head in HEAD_SCHEMES[scheme]. Raises ValueError naming a scheme unknown
+    or not for this device, or a projection that is not a plain nn.Linear (e.g. already packed)."""
     check_quantization(scheme)
     if scheme is None:
         return
@@ -62,7 +55,6 @@ def quantize_model(model: LlamaForCausalLM, scheme: str, options: QuantizationOp
             setattr(layer, name, _linear(scheme, linear.weight, linear.bias, opts.path, opts.group_size))
     lm_head = model.lm_head
     weight = model.head_weight
-    # the logits head: fp32 logits, like LlamaForCausalLM.compute_logits; the embedding lookup stays unquantized
     model.packed_lm_head = _linear(head_scheme, weight, None, opts.head_path, opts.group_size, torch.float32)
     if lm_head is not None:
         model.lm_head = None  # its fp weight is no longer used: freed

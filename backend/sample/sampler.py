@@ -1,15 +1,5 @@
-"""Turn a step's logits into one token per sequence.
-
-Order: logprobs of the raw distribution (when asked), then the logits ops of every row (logits_ops.py:
-penalties, min_tokens bans, grammar masks), then greedy argmax, or for the random rows temperature ->
-top-k -> top-p -> min-p -> sample. Sampling draws exponential noise E and takes argmax(p / E), which samples
-from p; a seeded request draws its noise from its own generator so its text does not depend on what else
-is in the batch (the sampler keeps those generators by request id).
-
-Everything runs on the logits' device: the random rows' settings come staged with the step's other inputs
-(settings.py), and the sampled ids and the logprobs asked for come back to the host in one copy, the step's
-only wait for the device.
-"""
+"""One token per sequence from a step's logits (docs/architecture.md, "The engine step"). Logprobs are of the
+raw logits, before penalties, masks and temperature."""
 
 from __future__ import annotations
 
@@ -31,24 +21,21 @@ SAMPLING_FAILED = "internal error while sampling this request's token"
 
 @dataclass
 class SamplerOutput:
-    """Per sequence: the sampled token, its logprobs (when asked), or an error saying why this sequence
-    got no token (its token is None then); one sequence's error never touches the others."""
+    """Per sequence: its token and logprobs, or (token None) the error saying why it got none."""
 
     token_ids: list[int | None]
     logprobs: list[dict[int, float] | None]
     errors: list[str | None]
 
     def extend(self, other: SamplerOutput) -> None:
-        """Append `other`'s rows after these."""
         self.token_ids += other.token_ids
         self.logprobs += other.logprobs
         self.errors += other.errors
 
 
 def row_max(logits: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logits.max(dim=-1)` (values, first index of the maximum; NaN wins, as there), several times faster
-    for a batch on a CPU (7.6x at 64 x 49,152 on one thread): `amax` over chunks is vectorized where `max`
-    with indices is not."""
+    """`logits.max(dim=-1)` (NaN wins, as there), faster for a batch on a CPU: `amax` over chunks is
+    vectorized where `max` with indices is not."""
     rows, vocab = logits.shape
     main = vocab - vocab % chunk
     if rows < 4 or main == 0 or logits.device.type != "cpu":
@@ -76,22 +63,18 @@ class Sampler:
         self._drawn: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # the last call's: row -> state after it
 
     def add_request(self, request_id: str, seed: int | None) -> None:
-        """Give `request_id` a generator of its own when it has a `seed`."""
         if seed is not None:
             self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
 
     def remove_request(self, request_id: str) -> None:
-        """Forget `request_id`'s generator (none: nothing happens)."""
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], settings: RowSettings | None = None,
                  masks: TokenMasks | None = None) -> SamplerOutput:
-        """One token per sequence from `logits` (`[len(seqs), vocab]` fp32 on the sampler's device).
-        `settings`: the random rows' settings as staged for this step (built here when None); `masks`: the
-        tokens the constrained rows' grammars allow. Sampled as one batch; if that raises, each sequence is
-        sampled alone (seeded generators rewound first), so a sequence whose own sampling fails gets an error
-        and every other one the token it would have got anyway. Never raises."""
+        """One token per sequence from `logits` (`[len(seqs), vocab]` fp32); `settings` None: built here. If the
+        batch raises, each row is sampled alone, seeded generators rewound (docs/architecture.md, "Failure
+        rules"). Never raises."""
         gens = [self.generators.get(s.request_id) for s in seqs]
         states = [g.get_state() if g is not None else None for g in gens]
         self._drawn.clear()
@@ -117,8 +100,7 @@ class Sampler:
         return out
 
     def rewind_after(self, row: int) -> None:
-        """The seeded generator of the last call's `row` continues as if the draws after that row's were never
-        made (a speculating request keeps the draws of the positions it accepted; nothing for other rows)."""
+        """Rewind the seeded generator of the last call's `row` to just after that row's draw."""
         drawn = self._drawn.get(row)
         if drawn is not None:
             drawn[0].set_state(drawn[1])
@@ -158,9 +140,7 @@ class Sampler:
         return SamplerOutput(token_list, logprobs, errors)
 
     def _draw(self, seqs: list[Sequence], settings: RowSettings, logits: torch.Tensor, first_row: int) -> torch.Tensor:
-        """A token per random row (`logits` holds those rows, in order): argmax(p / E), E exponential noise
-        from the seeded rows' own generators (each row's state after it kept for `rewind_after`) and the
-        sampler's for the others."""
+        """argmax(p / E) per random row, E exponential noise; keeps each seeded row's state for `rewind_after`."""
         probs = warp_random_rows(logits, settings).softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, row in enumerate(settings.rows):
@@ -173,15 +153,12 @@ class Sampler:
 
 
 def _index_on(rows: list[int], device: torch.device) -> torch.Tensor:
-    """`rows` as an int64 index on `device`, copied without waiting (indexing with a list would copy it and
-    wait for the device)."""
+    """Copied without waiting (indexing with a list would wait for the device)."""
     return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _logprob_table(raw: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:
-    """Per asking row (`raw`: their log-softmax; `tokens`: their sampled ids, -1 for none): the sampled token's
-    logprob, then the `top_n` highest logprobs and their token ids, as one float64 `[rows, 1 + 2 * top_n]`
-    tensor (float64 holds every token id exactly)."""
+    """Per row: the sampled token's logprob, then the `top_n` best logprobs and ids (float64: exact ids)."""
     chosen = raw.gather(1, tokens.clamp(min=0)[:, None])
     parts = [chosen.to(torch.float64)]
     if top_n:

@@ -1,11 +1,5 @@
-"""The per-row sampling settings of a step's random (non-greedy) rows, as device tensors.
-
-ROW_SETTINGS declares each setting once: how it is read from a request's SamplingParams, whether it is a
-float or an int, and when a row uses it (a setting no row of a step uses skips its logits op). Everything
-else follows from that table: the host lists (`HostRowSettings`, which the worker stages with the step's
-inputs), the device views (`RowSettings`) and the staging capacity they need (`row_settings_slots`). A new
-setting is a new entry here and its op in logits_ops.py.
-"""
+"""The sampling settings of a step's random rows, declared once in ROW_SETTINGS (host lists, device views and
+staging size follow). A new setting: an entry here and its op in logits_ops.py."""
 
 from __future__ import annotations
 
@@ -23,8 +17,7 @@ Value = int | float
 
 @dataclass(frozen=True)
 class RowSetting:
-    """One per-row setting: `read` takes it from a request's params; `used` says whether a row's value does
-    anything (False: the op may be skipped for that row)."""
+    """`used`: whether a row's value does anything (no row uses it: its op is skipped)."""
 
     name: str
     is_float: bool
@@ -57,11 +50,9 @@ class RowSettings:
     used: frozenset[str]  # the settings at least one of these rows uses
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        """The `[R]` device tensor of setting `name`; raises KeyError for a name not in ROW_SETTINGS."""
         return self.values[name]
 
     def uses(self, *names: str) -> bool:
-        """Whether some row uses any of the settings `names`."""
         return not self.used.isdisjoint(names)
 
 
@@ -74,20 +65,18 @@ class HostRowSettings:
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> HostRowSettings:
-        """The settings of the rows of `seqs` that sample at random."""
+        """The rows of `seqs` that sample at random."""
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         params = [seqs[i].params for i in rows]
         return cls(rows, {s.name: [s.read(p) for p in params] for s in ROW_SETTINGS})
 
     @property
     def used(self) -> frozenset[str]:
-        """The settings at least one row uses."""
         return frozenset(s.name for s in ROW_SETTINGS if any(s.used(v) for v in self.values[s.name]))
 
 
 def row_settings_on(device: torch.device, seqs: list[Sequence]) -> RowSettings | None:
-    """`stage_row_settings` without a staging buffer (tests, and sampling a row alone after a failure); None
-    when every row is greedy."""
+    """`stage_row_settings` without a staging buffer (tests, a row sampled alone); None when all are greedy."""
     host = HostRowSettings.of(seqs)
     if not host.rows:
         return None

@@ -1,10 +1,5 @@
-"""Which running requests the response thread asks `is_cancelled()` in a sweep.
-
-Each ask is a round trip to tritonserver, so asks are budgeted: CANCEL_CHECKS_PER_S a second of the clock (a
-sweep asks what the time since the previous sweep earned, plus at most one ask left over: idle time earns no
-burst), no request more often than every CANCEL_MIN_INTERVAL_S, the least recently asked first. With N requests
-a cancel is seen within max(CANCEL_MIN_INTERVAL_S, N / CANCEL_CHECKS_PER_S) and one sweep.
-"""
+"""Which running requests the response thread asks `is_cancelled()` in a sweep, within a budget
+(docs/operating.md#cancellation-and-timeouts)."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ CANCEL_MIN_INTERVAL_S = 0.1
 
 @dataclass
 class CancelPolls:
-    """The ask budget of one response thread."""
+    """The ask budget of one response thread: `per_s` asks a second, at most one carried over (no idle burst)."""
 
     per_s: float = CANCEL_CHECKS_PER_S
     min_interval_s: float = CANCEL_MIN_INTERVAL_S
@@ -28,8 +23,8 @@ class CancelPolls:
     _last: float | None = field(default=None, init=False)  # the clock at the previous sweep
 
     def pick(self, jobs: list[Job], now: float) -> list[Job]:
-        """The jobs to ask at `now` (this sweep's clock), least recently asked first; they count as asked. Call
-        it every sweep, with no jobs too, or the time since the last call earns a burst of asks."""
+        """The jobs to ask at `now`, least recently asked first; they count as asked. Call it every sweep, with
+        no jobs too, or the time since the last call earns a burst of asks."""
         if self._last is not None:
             self._credit = min(self._credit, 1.0) + (now - self._last) * self.per_s
         self._last = now

@@ -1,11 +1,4 @@
-"""Which device a Triton model instance's engine runs on.
-
-With `instance_group [{ kind: KIND_GPU, gpus: [0, 1] }]` Triton creates one model instance per GPU and
-tells each its GPU in `initialize`'s args (`model_instance_kind` "GPU", `model_instance_device_id` "1").
-Such an instance runs on `cuda:<id>`; model.json's `device` may say "auto" or "cuda" (follow Triton) or
-name that same GPU, and anything else is a configuration error. Every other kind (KIND_CPU, KIND_AUTO,
-KIND_MODEL, or no args at all) leaves the choice to the engine (`EngineConfig.device`).
-"""
+"""Which device a Triton model instance's engine runs on (docs/architecture.md#devices, docs/operating.md#multi-gpu)."""
 
 from __future__ import annotations
 
@@ -17,9 +10,8 @@ GPU_KIND = "GPU"  # what Triton's python backend passes for KIND_GPU (also "CPU"
 
 
 def select_device(args: Mapping[str, str], configured: str) -> str:
-    """The engine device for a model instance with Triton's `initialize` args and model.json's `device`
-    setting `configured` ("auto", "cpu", "cuda", "cuda:N"). Raises ValueError naming the setting when a
-    KIND_GPU instance's model.json device contradicts the GPU Triton placed it on."""
+    """`cuda:<id>` for a KIND_GPU instance, else `configured` (model.json's `device`). Raises ValueError naming
+    the setting when `configured` contradicts the GPU Triton placed the instance on."""
     if args.get("model_instance_kind", "").upper() != GPU_KIND:
         return configured
     raw_id = args.get("model_instance_device_id")

@@ -1,15 +1,4 @@
-"""The threads behind a Triton model instance; docs/architecture.md ("A request's path") tells the story.
-
-`submit` (Triton's thread) refuses at once when the engine failed, the model is stopping or too many requests
-wait. The tokenizer thread tokenizes and checks prompts (a constrained request's grammar then compiles on the
-compiler's threads). The engine thread runs lora_admin calls, admits, aborts and steps, and puts the outputs
-in the outbox. The response thread sends them (at most one response per request a sweep, `StreamPacer` sizing
-streamed ones), asks `is_cancelled` within `CancelPolls`' budget and pushes the metrics.
-
-Every job is in `_jobs` with its `Stage` from `submit` until its one final response: its last output or an
-error. What fails for one request fails only that request; an exception that escapes the engine thread leaves
-the engine in an unknown state, and then every job gets an error at once, as does every later request.
-"""
+"""The threads behind a Triton model instance (docs/architecture.md: a request's path, threads, failure rules)."""
 
 from __future__ import annotations
 
@@ -147,21 +136,21 @@ class EngineLoop:
     # Any thread (lock held where said).
 
     def _queue(self, job: Job, stage: Stage) -> None:
-        """Put `job` at `stage` on that stage's work queue (lock held)."""
+        """Lock held."""
         job.stage = stage
         (self._to_tokenize if stage is Stage.TOKENIZING else self._to_admit).append(job)
         self._work.notify_all()
 
     def _count(self, stages: tuple[Stage, ...]) -> int:
-        """Jobs at one of `stages` (lock held)."""
+        """Lock held."""
         return sum(job.stage in stages for job in self._jobs.values())
 
     def _pending(self) -> int:
-        """Jobs not in the engine yet or in it, beyond its seats (lock held)."""
+        """Accepted jobs beyond the engine's seats (lock held)."""
         return max(0, self._count(WAITING + IN_ENGINE) - self.engine.config.max_num_seqs)
 
     def _refusal(self) -> tuple[str, ErrorKind] | None:
-        """Why a request cannot be taken now (lock held): the engine failed or the model is stopping."""
+        """Why no request can be taken now, or None (lock held)."""
         if self.failed:
             return ENGINE_FAILED
         if self._stopping:
@@ -178,7 +167,7 @@ class EngineLoop:
         return taken
 
     def _close(self, job: Job | EngineCall) -> bool:
-        """Mark `job` answered and drop it (lock held); False when it was answered already."""
+        """Mark `job` answered (lock held); False when it was already."""
         if job.closed:
             return False
         job.closed = True
@@ -195,7 +184,7 @@ class EngineLoop:
 
     @staticmethod
     def _send_errors(jobs: list[Job | EngineCall], error: tuple[str, ErrorKind]) -> None:
-        """Send closed jobs their error; the request id lets an operator find the details in the log."""
+        """Send closed jobs their error, with the request id (the log has the details under it)."""
         message, kind = error
         for job in jobs:
             try:
@@ -205,8 +194,8 @@ class EngineLoop:
 
     @contextmanager
     def _failing_alone(self, job: Job | EngineCall, doing: str) -> Iterator[None]:
-        """Answer what the block raises with the job's error: a ValueError is the request's fault (its message);
-        anything else is logged and is an internal error while `doing`."""
+        """Fail `job` alone with what the block raises: a ValueError is the request's fault (its message); anything
+        else is logged and an internal error while `doing`."""
         try:
             yield
         except ValueError as exc:
@@ -252,7 +241,7 @@ class EngineLoop:
                 self.engine.compile_structured_output(job.params, partial(self._compiled, job))
 
     def _compiled(self, job: Job, matcher: Any, error: str | None) -> None:
-        """A job's grammar is compiled (`matcher`) or cannot be enforced (`error`): queue it or answer it."""
+        """Queue the job with its `matcher`, or fail it with the compiler's `error`."""
         if matcher is None:
             self._fail(job, f"invalid request: {error}", ErrorKind.INVALID)
             return
@@ -294,7 +283,6 @@ class EngineLoop:
                 self._post(self.engine.step())
 
     def _run_call(self, call: EngineCall) -> None:
-        """Run a call and answer it with its text."""
         text: str | None = None
         with self._failing_alone(call, "running the request"):
             text = call.run(self.engine)
@@ -309,7 +297,7 @@ class EngineLoop:
             logger.exception("could not send the response of %s", call.request_id)
 
     def _admit(self, job: Job) -> None:
-        """Add a queued job to the engine (a ValueError, e.g. an adapter unloaded since `execute`, fails it alone)."""
+        """A ValueError (e.g. an adapter unloaded since `execute`) fails the job alone."""
         admitted = False
         with self._failing_alone(job, "admitting the request"):
             self.engine.add_request(job.request_id, job.prompt, job.params, job.prompt_token_ids,
@@ -323,7 +311,7 @@ class EngineLoop:
             self._observe(self.observer.on_admitted, job)
 
     def _post(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to the response thread, merged with what it has not sent yet."""
+        """Into the outbox, merged with what the response thread has not sent yet."""
         if not outputs:
             return
         with self._lock:
@@ -400,8 +388,8 @@ class EngineLoop:
         return bool(ready), done
 
     def _take_ready(self) -> list[Delivery]:
-        """The deliveries to send now (lock held): all but outputs that have fewer than the pacer's interval of
-        new tokens and are neither a request's first nor its last."""
+        """All but outputs with fewer new tokens than the pacer's interval that are neither a request's first nor
+        its last (lock held)."""
         interval = self.pacer.interval
         if interval == 1 or self._engine_done:
             ready = list(self._outbox.values())
@@ -444,8 +432,8 @@ class EngineLoop:
                 self._close(job)
 
     def _poll_cancellations(self, now: float) -> None:
-        """Abort expired requests, and those whose client is gone (asked within `CancelPolls`' budget). Only
-        running jobs are asked: never one whose final response went out (that crashes Triton)."""
+        """Abort expired jobs and those whose client is gone. Only running jobs are asked: never one whose final
+        response went out (that crashes Triton)."""
         with self._lock:
             running = [job for job in self._jobs.values() if job.stage is Stage.RUNNING]
         expired = [job for job in running if job.expired(now)]
@@ -463,7 +451,7 @@ class EngineLoop:
             return True
 
     def _request_abort(self, jobs: list[Job]) -> None:
-        """Hand `jobs` to the engine thread to abort; their final outputs come back as usual."""
+        """To the engine thread; their final outputs come back as usual."""
         with self._lock:
             for job in jobs:
                 self._to_abort.add(job.request_id)

@@ -1,8 +1,5 @@
-"""Give the C heap's free pages back to the OS when the engine goes idle.
-
-Batches of changing shapes leave freed-but-kept pages in glibc's malloc arenas; without a trim the
-process' RSS ratchets up after every burst of load even though nothing is live (measured in the soak).
-"""
+"""Give the C heap's free pages back to the OS when the engine goes idle: batches of changing shapes leave freed
+pages in glibc's arenas, and RSS would ratchet up after every burst (docs/performance.md#soak)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The `tritium_ids` Triton model: token ids in, streamed token ids out, for the ensemble
-`preprocessing -> tritium_ids -> postprocessing` (TensorRT-LLM ensemble inputs).
-
-Each response carries `output_ids` (new tokens) and `context_ids` (the up to 5 tokens before them), so
-the stateless postprocessing step can decode exactly the text those tokens add. Responses are cut
-where the engine's detokenizer releases text, so a multi-byte character is never split across them.
-
-Triton does not pass cancellation through an ensemble to this step, so a request still running after
-`request_timeout_s` (model.json, default 300 s) is aborted: a client that left does not keep a slot.
-"""
+"""The `tritium_ids` Triton model, the middle of `tritium_ensemble` (docs/serving.md). A response carries
+`output_ids` and the up to PROMPT_CONTEXT_TOKENS `context_ids` before them, so the stateless postprocessing
+decodes exactly their text; responses are cut where the detokenizer releases text (no split characters)."""
 
 from __future__ import annotations
 
@@ -32,8 +25,7 @@ from tritium.backend.serving.triton_model import EngineModel, request_parameters
 from tritium.backend.serving.triton_sink import TritonSink, read_inputs
 
 DEFAULT_TIMEOUT_S = 300.0
-# The TensorRT-LLM style scalar inputs: tensor names of config.pbtxt (a fixed list), each the SamplingParams
-# field of that name, whose declared type it is coerced to.
+# TensorRT-LLM style scalar inputs (config.pbtxt), each coerced to its SamplingParams field's type.
 SCALAR_INPUTS: dict[str, type] = {name: SAMPLING_FIELDS[name].type for name in (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "priority")}
@@ -91,11 +83,11 @@ class TritonPythonModel(EngineModel[IdsRequest]):
     def parse(self, request: Any) -> IdsRequest:
         inputs = read_inputs(self.pb, request, self.input_names)
         prompt_ids, sampling, stream = parse_ids_request(inputs)
-        # The adapter: the request parameter (an ensemble passes its request's parameters on to this step) or
-        # the `lora_name` input; other parameters are the ensemble's or its other steps' and are left alone.
+        # An ensemble passes its request's parameters on to this step: take `lora_name` and `priority` from
+        # them (they win over the inputs) and leave the others alone.
         parameters = request_parameters(request)
         lora = parameters["lora_name"] if "lora_name" in parameters else scalar("lora_name", inputs.get("lora_name"))
-        if "priority" in parameters:  # the same for `priority`: the parameter wins over the input
+        if "priority" in parameters:
             sampling["priority"] = coerce_field("priority", parameters["priority"])
         return IdsRequest(params=sampling_from_dict(sampling), prompt_token_ids=prompt_ids, stream=stream,
                           lora_name=parse_lora_name(lora))

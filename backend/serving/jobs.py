@@ -1,7 +1,5 @@
-"""What the serving threads pass around, without the loop that runs them: a request's `Job` and its `Stage`,
-the `ResponseSink` its results go to, the `ErrorKind` of a final error, the metrics `LoopObserver` and
-`merge_outputs`. Sinks and metrics import this module, never serving/engine_loop.py.
-"""
+"""What the serving threads pass around, without the loop that runs them: sinks and metrics import this module,
+never serving/engine_loop.py."""
 
 from __future__ import annotations
 
@@ -24,10 +22,8 @@ class ErrorKind(enum.Enum):
     OVERLOADED = "overloaded"  # refused, retry later: UNAVAILABLE (the message starts "overloaded:")
     UNAVAILABLE = "unavailable"  # the model is not serving: UNAVAILABLE
     INTERNAL = "internal"  # failed while generating: INTERNAL
-    FORBIDDEN = "forbidden"  # a lora_admin request without the right admin_key: UNAVAILABLE (Triton has no
-    # PERMISSION_DENIED; it refuses its own restricted APIs with UNAVAILABLE too)
-    # Triton's HTTP generate endpoints answer every model error with 400, and a gRPC stream carries only the
-    # message: the code reaches gRPC unary-style clients only.
+    FORBIDDEN = "forbidden"  # lora_admin without the right admin_key: UNAVAILABLE (Triton has no PERMISSION_DENIED)
+    # HTTP generate answers every model error with 400 (docs/operating.md#overload).
 
 
 ENGINE_FAILED = ("the engine stopped after an internal error; this model is not serving until it is reloaded",
@@ -40,11 +36,8 @@ class ResponseSink(Protocol):
     def send_output(self, output: RequestOutput) -> None:
         """Send what `output` adds (final when `output.finished`); may raise (that request alone then fails)."""
 
-    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
-        """Send the final error."""
-
-    def is_cancelled(self) -> bool:
-        """Whether the client gave up on the request."""
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None: ...
+    def is_cancelled(self) -> bool: ...
 
 
 class LoopObserver(Protocol):
@@ -60,8 +53,6 @@ class LoopObserver(Protocol):
 
 
 class NoObserver:
-    """The observer of a loop without metrics."""
-
     def on_output(self, job: Job, output: RequestOutput, now: float) -> None: ...
     def on_admitted(self, job: Job) -> None: ...
     def on_step(self, engine: LLMEngine, now: float, force: bool = False, queued: int = 0) -> None: ...
@@ -83,8 +74,7 @@ class Stage(enum.Enum):
 
 @dataclass(eq=False)
 class Job:
-    """One accepted request as the serving threads see it, from `submit` to its final response. Times are
-    readings of the loop's clock."""
+    """One accepted request as the serving threads see it; times are readings of the loop's clock."""
 
     request_id: str
     params: SamplingParams
@@ -103,24 +93,20 @@ class Job:
     closed: bool = False  # its final response (or error) went out: nothing more is sent
 
     def expired(self, now: float) -> bool:
-        """Whether it has run past its timeout at `now`."""
         return self.timeout_s is not None and now - self.arrival > self.timeout_s
 
 
 class ReplySink(Protocol):
     """Where an EngineCall's one final response goes."""
 
-    def send_text(self, text: str) -> None:
-        """Send `text` as the final response."""
-
-    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
-        """Send the final error."""
+    def send_text(self, text: str) -> None: ...
+    def send_error(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None: ...
 
 
 @dataclass(eq=False)
 class EngineCall:
-    """A request that runs `run(engine)` on the engine thread between steps (a lora_admin action) and is answered
-    with the text it returns, or with an error (its ValueError's message: the request's fault)."""
+    """Runs `run(engine)` on the engine thread between steps (a lora_admin action); answered with the text it
+    returns, or its ValueError's message (the request's fault)."""
 
     request_id: str
     run: Callable[[LLMEngine], str]
@@ -130,8 +116,7 @@ class EngineCall:
 
 @dataclass(eq=False)
 class Delivery:
-    """What the response thread has to send for one job: an output (deltas merged when several steps'
-    outputs wait) or a final error."""
+    """What the response thread has to send for one job: an output (merged deltas) or a final error."""
 
     job: Job
     output: RequestOutput | None = None
@@ -139,8 +124,7 @@ class Delivery:
 
 
 def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One output saying what `older` and then `newer` said (deltas joined; totals and state from `newer`).
-    Returns `newer`, updated in place."""
+    """`older` then `newer` as one output: deltas joined, the rest from `newer` (returned, updated in place)."""
     newer.delta_text = older.delta_text + newer.delta_text
     newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
     if older.delta_logprobs is not None:

@@ -1,12 +1,5 @@
-"""Runtime LoRA control through a Triton request (`lora_admin`): load, unload and list adapters.
-
-A request to `tritium` or `tritium_ids` carrying the request parameter `lora_admin` (a JSON string:
-`{"action": "load", "lora_name": N, "lora_path": P}`, `{"action": "unload", "lora_name": N}` or
-`{"action": "list"}`) is an admin request; load and unload also need the request parameter `admin_key` equal to
-the key configured in model.json `admin_key` (or `$TRITIUM_ADMIN_KEY` of the server when model.json has none).
-Parsing and the key check run on Triton's thread; the action itself runs on the engine thread between steps
-(the LoRA manager is the engine thread's), and its reply is `lora_report`'s JSON document.
-"""
+"""Runtime LoRA load / unload / list through the Triton request parameter `lora_admin`
+(docs/lora.md#runtime-load-and-unload-through-triton)."""
 
 from __future__ import annotations
 
@@ -34,8 +27,6 @@ class AdminRefused(Exception):
 
 @dataclass(frozen=True)
 class LoraAdminAction:
-    """One parsed `lora_admin` request."""
-
     action: str
     lora_name: str | None = None
     lora_path: str | None = None
@@ -47,8 +38,7 @@ class LoraAdminAction:
 
 
 def parse_admin_action(raw: Any) -> LoraAdminAction:
-    """The action of a `lora_admin` parameter (a JSON object as a string). Raises ValueError naming the field and
-    the rule: not JSON, not an object, an unknown action, a missing, extra or non-string field."""
+    """A `lora_admin` parameter's action (JSON text). Raises ValueError naming the field and the rule."""
     if not isinstance(raw, str):
         raise ValueError(f"{ADMIN_PARAMETER} must be a JSON object in a string, got {type(raw).__name__}")
     try:
@@ -78,7 +68,7 @@ def configured_admin_key(model_key: str | None, environ: Mapping[str, str]) -> s
 
 def check_admin_key(action: LoraAdminAction, given: Any, configured: str | None) -> None:
     """Raises AdminRefused when `action` loads or unloads and `given` is not the `configured` key (compared in
-    constant time), or when no key is configured. `list` needs no key."""
+    constant time), or none is configured."""
     if not action.changes_state:
         return
     if configured is None:
@@ -88,9 +78,8 @@ def check_admin_key(action: LoraAdminAction, given: Any, configured: str | None)
 
 
 def run_admin_action(engine: LLMEngine, action: LoraAdminAction, version_dir: Path) -> str:
-    """Run `action` on `engine` (on the engine thread) and return `lora_report`'s JSON text after it. A relative
-    `lora_path` is taken beside `version_dir` (like model.json's folders). Raises ValueError with the engine's
-    message for an adapter that cannot be loaded or an unknown name."""
+    """Engine thread only. Returns `lora_report`'s JSON after the action; a relative `lora_path` is taken in
+    `version_dir`. Raises ValueError with the engine's message."""
     if action.action == "load":
         assert action.lora_name is not None and action.lora_path is not None
         folder = Path(action.lora_path).expanduser()

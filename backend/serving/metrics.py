@@ -1,8 +1,5 @@
-"""tritium's custom metrics on Triton's metrics port, through the python backend's MetricFamily.
-
-Every metric call is a round trip to the server process, so observations are gathered here and pushed
-at most every FLUSH_INTERVAL_S (and whenever the engine goes idle), not per token.
-"""
+"""tritium's metrics on Triton's metrics port (docs/operating.md#metrics). Every metric call is a round trip to
+the server process, so observations are gathered and pushed every FLUSH_INTERVAL_S and when idle."""
 
 from __future__ import annotations
 
@@ -22,9 +19,7 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class EngineMetrics:
-    """Histograms of TTFT, inter-token latency and end-to-end latency; token, preemption, prefix hit,
-    speculative decoding and refusal counters; running/waiting/KV-usage/engine-health/stream-interval gauges;
-    requests per LoRA adapter and the adapters running and waiting. Labelled with the model name and version."""
+    """The LoopObserver of a served model; its metrics are labelled with the model name and version."""
 
     def __init__(self, pb_utils: Any, model: str, version: str, engine: LLMEngine) -> None:
         family = pb_utils.MetricFamily

@@ -1,10 +1,5 @@
-"""Parse and validate one Triton request for the text model (vLLM backend's I/O contract).
-
-Pure functions over plain values (numpy arrays, dicts), so they are testable without a server. Every
-problem raises ValueError naming the field and the rule; nothing here touches the engine. Which sampling
-fields a request may carry, and how each is coerced, follows SamplingParams' declared fields
-(`SAMPLING_FIELDS`): a field added there is accepted here.
-"""
+"""Parse and validate Triton requests (docs/serving.md#the-models): pure functions over numpy arrays and dicts,
+raising ValueError naming the field and the rule. The sampling fields follow `SAMPLING_FIELDS`."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ import numpy.typing as npt
 from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: longer prompts are refused before tokenization
-# Other names of `structured_output`: vLLM's newer `structured_outputs` and its older `guided_decoding`, each
-# an object or its JSON text, as Triton's vLLM backend takes them.
+# vLLM's other names of `structured_output`, as Triton's vLLM backend takes them.
 STRUCTURED_OUTPUT_ALIASES = ("structured_outputs", "guided_decoding")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                "return_num_output_tokens", "return_logprobs", "apply_chat_template")
@@ -28,8 +22,7 @@ FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "ret
 
 @dataclass
 class EngineRequest:
-    """What a Triton request becomes a Job with: its sampling settings and its prompt, as text (tokenized on
-    the engine loop's tokenizer thread) or as token ids."""
+    """What a Triton request becomes a Job with; a text prompt is tokenized on the loop's tokenizer thread."""
 
     params: SamplingParams
     prompt: str | None = None
@@ -39,8 +32,7 @@ class EngineRequest:
 
 @dataclass
 class TextRequest(EngineRequest):
-    """The text model's request. `prompt` is what the engine continues: `text_input`, or with
-    `apply_chat_template` that text as the user turn of the model's chat template (the model renders it)."""
+    """The text model's request; with `apply_chat_template` the model renders `prompt` as the user turn."""
 
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -62,10 +54,8 @@ def _as_bool(name: str, value: Any) -> bool:
 
 
 def coerce_field(name: str, value: Any) -> Any:
-    """`value` for the SamplingParams field `name`, coerced by the field's declared type: numbers may
-    arrive as strings (genai-perf sends them so) or as numpy scalars (tensors), an integer as an integral
-    float, booleans as "true"/1, lists as JSON strings (a list of strings also as one bare string).
-    What cannot be coerced is returned as is, for SamplingParams to refuse by name."""
+    """`value` coerced to field `name`'s declared type: numbers may come as strings (genai-perf sends them so)
+    or numpy scalars, lists as JSON text. What cannot be coerced is returned as is, for SamplingParams to refuse."""
     spec = SAMPLING_FIELDS[name]
     if isinstance(value, np.generic):
         value = value.item()
@@ -97,8 +87,7 @@ def coerce_field(name: str, value: Any) -> Any:
 
 
 def sampling_from_dict(raw: dict[str, Any], strict: bool = True) -> SamplingParams:
-    """SamplingParams from JSON-ish values. With `strict`, unknown keys are an error; otherwise
-    they are left out (the caller handles them)."""
+    """Raises ValueError naming the field, and for unknown keys when `strict` (else they are left out)."""
     raw = _resolve_aliases(raw)
     unknown = sorted(set(raw) - set(SAMPLING_FIELDS))
     if unknown and strict:
@@ -142,8 +131,7 @@ def scalar(name: str, array: npt.NDArray[Any] | None) -> Any:
 
 
 def decode_text(name: str, value: Any) -> str:
-    """Input `name`'s text from bytes or str; raises ValueError for invalid UTF-8, a text over MAX_PROMPT_BYTES
-    or another type."""
+    """Raises ValueError for invalid UTF-8, a text over MAX_PROMPT_BYTES or a type other than bytes and str."""
     if isinstance(value, bytes):
         if len(value) > MAX_PROMPT_BYTES:
             raise ValueError(f"{name} is {len(value)} bytes; the limit is {MAX_PROMPT_BYTES} bytes")
@@ -159,8 +147,7 @@ def decode_text(name: str, value: Any) -> str:
 
 
 def parse_lora_name(value: Any) -> str | None:
-    """The adapter name of a `lora_name` value (JSON, a request parameter or a BYTES tensor's element); None for
-    null. Raises ValueError when it is not a non-empty string."""
+    """None for null; raises ValueError unless it is a non-empty string (or bytes)."""
     if value is None:
         return None
     if isinstance(value, np.generic):
@@ -173,11 +160,8 @@ def parse_lora_name(value: Any) -> str | None:
 
 
 def parse_text_request(inputs: dict[str, npt.NDArray[Any] | None], parameters: dict[str, Any]) -> TextRequest:
-    """Build a TextRequest from the request's input arrays (None when absent) and its Triton
-    parameters (a dict of scalars). Sampling fields and `lora_name` may come from `sampling_parameters` (JSON)
-    and from the parameters; the parameters win. With `apply_chat_template`, `exclude_input_in_output`
-    defaults to true (the reply alone). The chat template itself is applied by the model, which has the
-    tokenizer. Raises ValueError on any problem."""
+    """`inputs`: None where absent. Sampling fields and `lora_name` come from `sampling_parameters` (JSON) and
+    the request parameters, which win. Raises ValueError naming the field and the rule."""
     raw_text = scalar("text_input", inputs.get("text_input"))
     if raw_text is None:
         raise ValueError("text_input is required")

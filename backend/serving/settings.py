@@ -1,4 +1,4 @@
-"""Engine settings of one model version: `<model>/<version>/model.json`."""
+"""Settings of one model version: `<model>/<version>/model.json` (docs/serving.md#engine-settings)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ def _int_setting(path: Path, raw: dict[str, Any], name: str, default: int, low: 
 
 
 def load_settings(version_dir: str | Path) -> ServingSettings:
-    """Read `model.json` of a version folder. `model` may be null (the embedded default), an absolute
-    path, or a path relative to the version folder; so may adapter folders, of `lora_modules` and of
-    `multi_lora.json` beside it (added to `lora_modules`). Raises ValueError for unknown keys and bad LoRA files."""
+    """Read `model.json` (and `multi_lora.json`) of a version folder; relative model and adapter folders are taken
+    in it. Raises ValueError naming the setting (unknown keys too) or the bad file."""
     version_dir = Path(version_dir)
     path = version_dir / "model.json"
     raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -69,9 +68,8 @@ def load_settings(version_dir: str | Path) -> ServingSettings:
 
 
 def _add_multi_lora(version_dir: Path, raw: dict[str, Any]) -> None:
-    """Add the adapters of `multi_lora.json` (the vLLM backend's `{"name": "folder"}`, folders relative to the
-    version folder allowed) to `raw["lora_modules"]`. Raises ValueError when the file is not such an object,
-    when `enable_lora` is not true, or when a name is in both."""
+    """Raises ValueError when the file is not `{"name": "folder"}`, `enable_lora` is not true, or a name is in
+    both files."""
     path = version_dir / MULTI_LORA_FILE
     if not path.is_file():
         return

@@ -1,11 +1,5 @@
-"""How many tokens a streamed response carries: one while sending keeps up, more when it does not.
-
-Every response is a round trip from the python backend stub to tritonserver, and the client parses each one;
-on a busy host those costs, not the engine, bound throughput. The response thread reports how long it spent
-sending; when sending took more than BUSY_HIGH of the wall time over the last ADJUST_EVERY_S, the interval
-doubles (up to `max_interval`), and when it took less than BUSY_LOW it halves (down to `min_interval`). A
-request's first and last responses are never held (EngineLoop), so time to first token does not change.
-"""
+"""How many tokens a streamed response carries: one while sending keeps up, more when it does not
+(docs/architecture.md#threads, "Streaming pace")."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ class StreamPacer:
         self.interval = self.min_interval
 
     def record(self, send_s: float, now: float) -> None:
-        """Account `send_s` seconds spent sending, at time `now` (monotonic); adjusts `interval`."""
+        """Account `send_s` seconds spent sending, at `now` (the loop's clock); adjusts `interval`."""
         if self._window_start is None:
             self._window_start = now
         self._busy_s += send_s

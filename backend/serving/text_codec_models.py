@@ -1,6 +1,5 @@
-"""The ensemble's `preprocessing` (text -> token ids, optionally through the chat template) and
-`postprocessing` (token ids -> text) Triton models. Both are stateless; the tokenizer comes from the
-model folder named in their version's model.json (null: the embedded default)."""
+"""The ensemble's stateless `preprocessing` and `postprocessing` Triton models; the tokenizer comes from the
+model folder their version's model.json names."""
 
 from __future__ import annotations
 

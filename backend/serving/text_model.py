@@ -1,10 +1,4 @@
-"""The `tritium` Triton model: text in, streamed text out (vLLM backend's I/O contract).
-
-Loaded by `model_repository/tritium/<version>/model.py`, which only re-exports `TritonPythonModel`.
-One extension: `apply_chat_template` (an input or a request parameter, default off) makes `text_input` the
-user turn of the model's chat template, so that an instruct model answers it; the reply then comes without
-the input unless `exclude_input_in_output` is false.
-"""
+"""The `tritium` Triton model: text in, streamed text out (docs/serving.md#tritium-text-in-text-out)."""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ def _bytes_tensor(pb_utils: Any, name: str, text: str) -> Any:
 
 
 class TextSink(TritonSink):
-    """Turns engine outputs (delta-only) into the text model's responses for one request: streaming sends
-    each output's new text (and logprobs); otherwise one response at the end from the final output's totals."""
+    """Streamed: each output's new text; otherwise one response from the final output's totals."""
 
     def __init__(self, pb_utils: Any, sender: Any, request: TextRequest) -> None:
         super().__init__(pb_utils, sender)
@@ -54,8 +47,6 @@ class TextSink(TritonSink):
 
 
 class TritonPythonModel(EngineModel[TextRequest]):
-    """Triton's entry points: initialize, execute (validate + enqueue only), finalize."""
-
     request_id_prefix = "req"
 
     def parse(self, request: Any) -> TextRequest:

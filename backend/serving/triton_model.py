@@ -1,11 +1,5 @@
-"""The front door both engine models share (`tritium`: text, `tritium_ids`: token ids): Triton's
-initialize / execute / finalize around one LLMEngine and its EngineLoop.
-
-A subclass says only what differs: the request-id prefix, how a Triton request parses into an
-EngineRequest (sampling settings and a prompt as text or token ids), and the sink that turns the engine's
-outputs into its responses. `triton_python_backend_utils` exists only inside Triton's python backend stub,
-so it is imported in `initialize`.
-"""
+"""The front door both engine models share (docs/architecture.md#serving-and-the-openai-endpoint): Triton's
+initialize / execute / finalize around one LLMEngine and its EngineLoop."""
 
 from __future__ import annotations
 
@@ -73,15 +67,13 @@ class EngineModel(ABC, Generic[R]):
 
     @abstractmethod
     def parse(self, request: Any) -> R:
-        """The request's EngineRequest; raises ValueError naming the field and the rule. Runs on Triton's
-        execute thread: no tokenizing here (the loop's tokenizer thread does it)."""
+        """Raises ValueError naming the field and the rule. Triton's execute thread: no tokenizing here."""
 
     @abstractmethod
-    def make_sink(self, sender: Any, parsed: R) -> TritonSink:
-        """The sink that sends this request's responses."""
+    def make_sink(self, sender: Any, parsed: R) -> TritonSink: ...
 
     def initialize(self, args: dict[str, Any]) -> None:
-        import triton_python_backend_utils as pb_utils
+        import triton_python_backend_utils as pb_utils  # only inside Triton's python backend stub
 
         self.pb = pb_utils
         # Tokenize on the (low-priority) calling thread, not on a pool of the tokenizers library's own.
@@ -124,8 +116,7 @@ class EngineModel(ABC, Generic[R]):
         return None
 
     def _job(self, request_id: str, request: Any, sender: Any) -> Job | EngineCall | None:
-        """The request's Job, or the EngineCall of a lora_admin request, or None when it was refused already.
-        Raises ValueError naming the field and the rule."""
+        """None when it was answered already (a refused lora_admin). Raises ValueError naming the field."""
         parameters = request_parameters(request)
         if ADMIN_PARAMETER in parameters:
             return self._admin_call(request_id, parameters, sender)
@@ -139,8 +130,7 @@ class EngineModel(ABC, Generic[R]):
                    timeout_s=self.timeout_s)
 
     def _admin_call(self, request_id: str, parameters: dict[str, Any], sender: Any) -> EngineCall | None:
-        """The EngineCall running a lora_admin action, or None once a refused one (wrong or missing admin_key)
-        is answered. Raises ValueError for a malformed action."""
+        """None once a refused action (wrong or missing admin_key) is answered. Raises ValueError if malformed."""
         unknown = sorted(k for k in parameters if k not in (ADMIN_PARAMETER, KEY_PARAMETER)
                          and not k.startswith("triton_"))
         if unknown:

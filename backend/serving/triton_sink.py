@@ -21,17 +21,13 @@ ERROR_CODES = {  # pb_utils.TritonError code names; tritonserver maps them to gR
 }
 
 
-# A speculating request's figures on its final response, named as vLLM's spec_decode metrics
-# (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens): output tensors (UINT32, the mean FP32)
-# and, where the python backend has response parameters (25.02+), parameters of the same names (the mean as text:
-# parameters hold bool, int or str).
+# A final response's speculative decoding figures (docs/speculative-decoding.md#per-request-figures).
 SPEC_COUNTS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 SPEC_MEAN = "spec_mean_acceptance_length"
 
 
 def spec_figures(output: RequestOutput) -> dict[str, int | float] | None:
-    """The figures of `output` by output name, or None: not the final output, or the request never verified a
-    draft (speculation off, or no draft was found for it)."""
+    """By output name; None unless `output` is final and its request verified a draft."""
     stats = output.spec_decoding
     if not output.finished or stats is None or stats.num_spec_steps == 0:
         return None
@@ -64,9 +60,8 @@ def reject(pb_utils: Any, sender: Any, message: str, request_id: str) -> None:
 
 
 def parse_or_reject(pb_utils: Any, sender: Any, request_id: str, parse: Callable[[], T]) -> T | None:
-    """`parse()`'s result, or None once the request is answered with one error: a ValueError's message
-    names the field and the rule; anything else (odd input types or shapes) is logged under `request_id`
-    and the client gets only the id."""
+    """`parse()`'s result, or None once the request is answered with one error: a ValueError's message, or (for
+    anything else, logged under `request_id`) only the id."""
     try:
         return parse()
     except ValueError as exc:
@@ -100,7 +95,7 @@ class TritonSink(ABC):
             self._send(self.pb.InferenceResponse(error=triton_error(self.pb, message, kind)), final=True)
 
     def _send_tensors(self, tensors: list[Any], output: RequestOutput) -> None:
-        """Send `tensors` as `output`'s response (final when it is), with its speculative figures."""
+        """Final when `output` is, with its speculative figures."""
         figures = spec_figures(output)
         if figures is None:
             self._send(self.pb.InferenceResponse(output_tensors=tensors), final=output.finished)

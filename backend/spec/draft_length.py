@@ -1,13 +1,4 @@
-"""Per request: the rule that turns speculation down or off.
-
-The rule (`AdaptiveDraftLength`): k starts at `num_speculative_tokens`. Over each window of `WINDOW`
-verification steps (steps that drafted at least one token), the acceptance rate is accepted / drafted. Below
-`TURN_OFF_BELOW` speculation goes off for this request at once (drafts that almost never land only cost);
-below `TURN_DOWN_BELOW` k halves (1 -> 0: off); at or above `TURN_UP_FROM` k grows by one, up to the
-configured k. While off, the request decodes plainly and speculation is retried with k = 1 after `RETRY_AFTER`
-decode steps, twice as many after each retry that turned off again (reset once a window pays). Every change
-starts a new window.
-"""
+"""Per request: the draft length rule (docs/speculative-decoding.md, "Draft length per request")."""
 
 from __future__ import annotations
 
@@ -22,7 +13,7 @@ RETRY_AFTER = 32
 
 @dataclass
 class AdaptiveDraftLength:
-    """The draft length a request uses now (`k`), adjusted by the rule in this module's docstring."""
+    """The draft length a request uses now (`k`; 0: off)."""
 
     max_k: int
     k: int = -1
@@ -47,7 +38,6 @@ class AdaptiveDraftLength:
         return self.k
 
     def record(self, drafted: int, accepted: int) -> None:
-        """Count one verification step."""
         self.drafted += drafted
         self.accepted += accepted
         self.steps += 1

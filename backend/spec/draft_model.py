@@ -1,12 +1,4 @@
-"""A smaller model with the same tokenizer as drafter (`{"method": "draft_model", "model": folder}`).
-
-It has its own KV cache tensors, indexed by the target's block tables: the same token positions use the same
-slots, so it needs no block manager (the scheduler keeps lookahead blocks for the positions it drafts at). Per
-speculating sequence and step it first catches up on the tokens it has not run yet (the prompt at first, then
-what verification accepted: one prefill chunk), then proposes k tokens greedily, one small forward pass each.
-Greedy drafts are deterministic given the tokens, which keeps verification exact (verify.py). The draft runs per
-sequence, eagerly.
-"""
+"""A greedy draft model on the target's block tables (docs/architecture.md, "Speculative decoding")."""
 
 from __future__ import annotations
 
@@ -22,21 +14,19 @@ from tritium.backend.models.registry import resolve_model
 
 
 def tokenizer_digest(folder: Path) -> str | None:
-    """A hash of the folder's tokenizer.json (None when it has none)."""
     path = folder / "tokenizer.json"
     return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest() if path.is_file() else None
 
 
 def draft_footprint(folder: str, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes per block) the draft model in `folder` will take in `dtype`: what the target's
-    memory plan must leave for it (its cache has as many blocks as the target's)."""
+    """(weight bytes, KV bytes per block) of the draft model in `folder`, for the target's memory plan."""
     path = resolve_model(folder)
     return checkpoint_numel(path) * dtype.itemsize, ModelConfig.from_folder(path).kv_bytes_per_block(block_size, dtype)
 
 
 class DraftModel:
-    """The drafter's weights and KV cache. Raises ValueError naming `speculative_config.model` when the folder's
-    vocabulary or tokenizer differs from the target's (or ModelFolderError when it cannot load)."""
+    """Raises ValueError naming `speculative_config.model` when its vocabulary or tokenizer differs from the
+    target's (ModelFolderError when it cannot load)."""
 
     def __init__(self, folder: str, target_path: Path, target: ModelConfig, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, num_blocks: int, block_size: int,
@@ -72,8 +62,7 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, request_id: str, tokens: list[int], table: list[int], k: int) -> list[int]:
-        """`k` greedy draft tokens after `tokens` (a request's), whose leading ones the draft cache may hold
-        already. The block table `table` must cover `len(tokens) + k - 1` positions."""
+        """`k` greedy drafts after `tokens`; `table` must cover `len(tokens) + k - 1` positions."""
         seen = min(self.seen.get(request_id, 0), len(tokens) - 1)
         run = tokens[seen:]
         positions = list(range(seen, len(tokens)))

@@ -9,9 +9,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `k` draft tokens for `tokens` (prompt and output): for n from `max_n` down to `min_n`, find the
-    last n tokens earlier in `tokens` (the latest occurrence that k tokens follow, else the earliest) and
-    return what followed it; [] when no n-gram of those sizes repeats (or k < 1)."""
+    """Up to `k` drafts, for the largest n in [min_n, max_n] whose n-gram repeats; [] when none does."""
     size = len(tokens)
     if k < 1 or size < min_n + 1:
         return []
@@ -20,7 +18,7 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
         windows = sliding_window_view(arr[: size - 1], n)  # every n-gram that ends before the last token
         hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
         if hits.size:
-            # The latest occurrence that is followed by k tokens, else the earliest (the longest continuation).
+            # The latest occurrence that k tokens follow, else the earliest (the longest continuation).
             full = hits[hits <= size - n - k]
             start = int(full[-1] if full.size else hits[0]) + n
             return [int(t) for t in arr[start : start + k]]

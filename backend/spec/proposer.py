@@ -1,6 +1,4 @@
-"""Drafting in the worker, after a step's sampling: per speculating request, how many tokens its next step may
-verify (draft_length.py's rule, within its limits) and which (prompt lookup, or a draft model), cut to what its
-grammar takes."""
+"""Drafting in the worker, after a step's sampling (docs/architecture.md, "Speculative decoding")."""
 
 from __future__ import annotations
 
@@ -50,10 +48,8 @@ class DraftProposer:
                 self.drafter.accepted(request_id, accepted)
 
     def propose(self, seq: Sequence, run: list[int]) -> tuple[list[int], int]:
-        """Drafts for `seq`'s next step, once its `run` (accepted drafts, then the sampled token) is appended: at
-        most its current draft length, the tokens it may still generate less the one a verification always adds,
-        what the context holds and (a draft model) what its block table covers; and how many drafts its grammar
-        cut (refused, or completing it). No drafts when it does not speculate."""
+        """Drafts for `seq`'s next step once `run` is appended (limits: docs/architecture.md, "Speculative
+        decoding"), and how many its grammar cut."""
         length = self.lengths.get(seq.request_id)
         if length is None:
             return [], 0

@@ -1,20 +1,6 @@
-"""Compile a request's `StructuredOutput` into an llguidance matcher for this engine's tokenizer, with a cache.
-
-Compiling happens off the engine thread and off the tokenizer thread: the serving loop hands a constraint to
-`submit`, which compiles it on a small pool and calls back when it is done, so a large schema delays only its
-own request. Each compile has a time limit; a constraint llguidance cannot enforce fails with a ValueError
-naming what it refused ("Unimplemented keys: [\"not\"]"), and that verdict is cached too, so a client
-repeating a bad schema costs nothing. A compile that ran out of time is not a verdict: it is not cached, and
-when it finishes later its matcher is. The limit counts the compile's own CPU time, not the wall clock: on a
-busy host the low-priority compile threads get little CPU, and a constraint is refused for what it costs, not
-for how busy the host is (a wall-clock cap of MAX_WAIT_FACTOR times the limit still answers every request).
-The wall clock is the compiler's `clock` (time.monotonic unless given): it times that cap and `stats.compile_s`.
-
-The cache is bounded by bytes, not entries: a compiled matcher's memory grows with its source (measured at up
-to ~220 bytes per byte of schema for many optional properties; a few bytes per byte for enums), so each entry
-is charged MATCHER_BYTES_PER_SOURCE_BYTE per source byte (an upper bound of what was measured) and the least
-recently used entries go when the total passes `cache_bytes`.
-"""
+"""Compile a request's `StructuredOutput` into an llguidance matcher on the compiler's own threads, with a cache
+bounded by bytes (docs/architecture.md#structured-output). The time limit counts the compile's CPU time, so a
+constraint is refused for what it costs, not for how busy the host is."""
 
 from __future__ import annotations
 
@@ -53,7 +39,7 @@ CompileCallback = Callable[["llguidance.LLMatcher | None", "str | None"], None]
 
 @dataclass
 class CompileStats:
-    """What the compiler did, cumulatively (the benchmark and the metrics read it)."""
+    """Cumulative counts (the benchmark and the metrics read them)."""
 
     compiled: int = 0
     cache_hits: int = 0
@@ -69,14 +55,13 @@ class _Entry:
 
 
 def estimated_bytes(spec: StructuredOutput) -> int:
-    """What a compiled matcher of `spec` is charged against the cache (an upper bound of measured sizes)."""
+    """A compiled matcher's charge against the cache (an upper bound of measured sizes)."""
     return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_SOURCE_BYTE * spec.source_bytes
 
 
 class TimedCallback:
-    """A request's callback, called once: by its compile (`answer`), or with a time-limit refusal once the
-    compile has used `timeout_s` of CPU (`cpu_used`; None: the compile has not started) or once MAX_WAIT_FACTOR
-    times that has passed on `clock`. A timer checks at the limit, and again while the compile may still go on."""
+    """A request's callback, called once: with the compile's result (`answer`), or refused once the compile used
+    `timeout_s` of CPU (`cpu_used`; None: not started) or MAX_WAIT_FACTOR times that passed on `clock`."""
 
     def __init__(self, timeout_s: float, spec: StructuredOutput, callback: CompileCallback, stats: CompileStats,
                  cpu_used: Callable[[], float | None], clock: Callable[[], float]) -> None:
@@ -94,13 +79,12 @@ class TimedCallback:
         self._arm(timeout_s)
 
     def answer(self, matcher: llguidance.LLMatcher | None, error: str | None) -> None:
-        """Call the callback with the compile's result, unless it was called already."""
         callback = self._take()
         if callback is not None:
             callback(matcher, error)
 
     def check(self) -> bool:
-        """Refuse the request if its compile is over the time limit now. Returns whether it has been answered."""
+        """Refuse the request if its compile is over the limit now. Returns whether it has been answered."""
         used, waited = self._cpu_used(), self._clock() - self._started
         if waited < MAX_WAIT_FACTOR * self.timeout_s and (used is None or used < self.timeout_s):
             with self._lock:
@@ -113,7 +97,6 @@ class TimedCallback:
         return True
 
     def _take(self) -> CompileCallback | None:
-        """The callback, the first time only; its timer is cancelled."""
         with self._lock:
             if not self._pending:
                 return None
@@ -159,7 +142,7 @@ class GrammarCompiler:
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the vocabulary (~0.5 s to build for 49k tokens: built at the first use)."""
+        """llguidance's view of the vocabulary, built at the first use (it is slow to build)."""
         import llguidance
 
         with self._lock:
@@ -173,15 +156,15 @@ class GrammarCompiler:
 
     @property
     def cached_bytes(self) -> int:
-        """The bytes the cached entries are charged, in all (at most `cache_bytes`)."""
+        """What the cached entries are charged, in all (at most `cache_bytes`)."""
         return self._cached_bytes
 
     def __len__(self) -> int:
         return len(self._cache)
 
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher for `spec` at its start, waiting for the compile. Raises ValueError naming what
-        cannot be enforced or the time limit that was exceeded."""
+        """A fresh matcher, waiting for the compile. Raises ValueError naming what cannot be enforced or the
+        time limit exceeded."""
         done = threading.Event()
         result: list[Compiled] = []
 
@@ -197,9 +180,8 @@ class GrammarCompiler:
         return matcher
 
     def submit(self, spec: StructuredOutput, callback: CompileCallback) -> None:
-        """Call `callback(matcher, None)` with a fresh matcher for `spec`, or `callback(None, why)`: at once on a
-        cache hit, else from a compile thread once compiled or once `timeout_s` passed. Never raises; the
-        callback is called exactly once and must not raise."""
+        """Call `callback(matcher, None)` or `callback(None, why)` exactly once: at once on a cache hit, else from
+        a compile or timer thread. Never raises; the callback must not raise."""
         if not llguidance_available():
             callback(None, LLGUIDANCE_MISSING)
             return
@@ -239,16 +221,15 @@ class GrammarCompiler:
             _answer(waiter.answer, value)
 
     def check_time_limits(self) -> None:
-        """Refuse now every waiting request whose compile is over the time limit (each request's timer does this
-        at its limit and after; calling it at any time refuses nothing early)."""
+        """Refuse now every waiting request whose compile is over the limit (their timers do it too)."""
         with self._lock:
             waiters = [waiter for waiting in self._compiling.values() for waiter in waiting]
         for waiter in waiters:
             waiter.check()
 
     def compile_cpu_s(self, spec: StructuredOutput) -> float | None:
-        """The CPU seconds the compile of `spec` has used so far; None while it waits for a thread (and where
-        threads have no CPU clock: then only the wall-clock cap applies)."""
+        """CPU seconds `spec`'s compile has used; None while it waits for a thread, or where threads have no CPU
+        clock (then only the wall-clock cap applies)."""
         with self._lock:
             running = self._running.get(spec)
         if running is None:
@@ -263,7 +244,7 @@ class GrammarCompiler:
         return TimedCallback(self.timeout_s, spec, callback, self.stats, lambda: self.compile_cpu_s(spec), self.clock)
 
     def _store(self, spec: StructuredOutput, value: llguidance.LLMatcher | str) -> None:
-        """Cache `value` (lock held), evicting the least recently used entries beyond `cache_bytes`."""
+        """The caller holds the lock."""
         charge = len(value) + spec.source_bytes if isinstance(value, str) else estimated_bytes(spec)
         if charge > self.cache_bytes:
             return
@@ -279,7 +260,7 @@ class GrammarCompiler:
 
 
 def llguidance_available() -> bool:
-    """Whether llguidance imports (it is imported only once a request is constrained)."""
+    """Whether llguidance imports (imported only once a request is constrained)."""
     try:
         import llguidance  # noqa: F401
     except ImportError:
@@ -288,7 +269,6 @@ def llguidance_available() -> bool:
 
 
 def _lower_priority() -> None:
-    """Compiles yield the CPU to the engine and the tokenizer thread (a large one takes seconds of a core)."""
     try:  # Linux: a thread's own nice value (raising it needs no privilege)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
     except (OSError, AttributeError):
@@ -303,7 +283,6 @@ def _answer(callback: CompileCallback, value: llguidance.LLMatcher | str) -> Non
 
 
 def _thread_cpu_clock() -> int | None:
-    """This thread's CPU-time clock id (Linux and most Unixes), or None."""
     try:
         return time.pthread_getcpuclockid(threading.get_ident())
     except (AttributeError, OSError):
@@ -331,8 +310,7 @@ def _compile(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> llgui
 
 
 def _summary(message: str, limit: int = 400) -> str:
-    """llguidance's message on one line: its indented lines (an excerpt of the source, a caret under the
-    spot) are left out."""
+    """llguidance's message on one line, without its indented lines (a source excerpt with a caret)."""
     lines = [line.strip() for line in message.splitlines() if line.strip() and not line[0].isspace()]
     text = " ".join(lines) or "unknown error"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,14 +1,5 @@
-"""What a request's output must match: `SamplingParams.structured_output`, and its grammar for llguidance.
-
-One of a JSON schema, any JSON object, a regex, a choice of strings or a Lark/GBNF grammar. Requests name it
-the way vLLM does (`{"json": ...}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ...}`,
-`{"json_object": true}`, as a dict or as its JSON text). `from_value` refuses anything else with a ValueError
-naming the key. Whether the constraint can be enforced (a schema keyword llguidance does not implement, a
-regex that does not parse) is known only once compiled: `structured_output/compiler.py`.
-
-JSON is compact by default (no whitespace between tokens: fewer tokens, and a small model cannot wander off
-into blank lines); `disable_any_whitespace: false` allows JSON whitespace, `whitespace_pattern` sets it.
-"""
+"""What a request's output must match (`SamplingParams.structured_output`, in vLLM's shapes: docs/structured-output.md),
+and its grammar for llguidance. Whether it can be enforced is known only once compiled (compiler.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +23,8 @@ UNWRITABLE = re.compile("[\U00040000-\U000BFFFF]")
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """One constraint on a request's output. `json` is the schema as compact JSON text in the schema's own key
-    order (llguidance writes properties in that order; a schema sent again shares the compiled grammar);
-    `choice` the allowed strings."""
+    """One constraint. `json`: the schema as compact JSON text in its own key order (llguidance writes properties
+    in that order; a schema sent again shares the compiled grammar)."""
 
     json: str | None = None
     json_object: bool = False
@@ -103,7 +93,6 @@ class StructuredOutput:
         return len(self.lark_or_json_grammar()[1].encode("utf-8", "surrogatepass"))
 
     def json_options(self) -> JsonCompileOptions:
-        """llguidance's JSON compile options for this request."""
         flexible = self.any_whitespace or self.whitespace_pattern is not None
         options: JsonCompileOptions = {"whitespace_flexible": flexible}
         if self.whitespace_pattern is not None:

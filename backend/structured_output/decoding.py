@@ -1,16 +1,6 @@
-"""The engine's constrained requests: a matcher per request, each step's token masks, the sampled tokens fed back.
-
-Per step: `start` computes the masks of the constrained rows on a worker thread (llguidance drops the GIL and
-spreads the batch over its own threads) while the engine runs the forward pass; `wait` copies them to the
-logits' device; the sampler applies them (`TokenMasks.apply`: the Triton kernel on CUDA, torch elsewhere)
-after penalties and bans, before sampling; `accept` advances each matcher with its sampled token and says
-which requests' grammars are complete (they stop: EOS is the only token left) or broken.
-
-Speculative decoding: `draft_prefix` says how many of a request's drafts its grammar takes (the matcher is
-advanced over them and rolled back, so its state is as before); a speculating constrained sequence gets one
-mask per verified position (position j: its grammar after the first j drafts), and `accept` advances it with
-the whole run verification kept (accepted drafts, then the sampled token).
-"""
+"""The engine's constrained requests: a matcher each; per step `start` computes the masks on a worker thread while
+the forward pass runs, `wait` hands them to the sampler, `accept` feeds the sampled tokens back
+(docs/architecture.md#structured-output, and #speculative-decoding for drafts)."""
 
 from __future__ import annotations
 
@@ -41,7 +31,7 @@ class TokenMasks:
     row_index: torch.Tensor  # [len(rows)] int64, the same rows
 
     def apply(self, logits: torch.Tensor) -> None:
-        """In place: every token a row's grammar does not allow gets -inf."""
+        """In place: -inf for every token a row's grammar does not allow."""
         if logits.is_cuda:
             from tritium.kernels.token_bitmask import apply_token_bitmask
 
@@ -90,18 +80,15 @@ class StructuredDecoding:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tritium-masks")
 
     def add(self, request_id: str, spec: StructuredOutput, matcher: llguidance.LLMatcher | None = None) -> None:
-        """Give `request_id` `matcher` (at the start of `spec`), or compile one now. Raises ValueError when
-        `spec` cannot be enforced."""
+        """`matcher` None: compile one now. Raises ValueError when `spec` cannot be enforced."""
         self.matchers[request_id] = matcher if matcher is not None else self.compiler.compile(spec)
 
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
     def draft_prefix(self, request_id: str, drafts: list[int]) -> int:
-        """How many leading `drafts` the request's grammar takes, stopping before the first it refuses and
-        before one that would complete it (nothing but EOS could follow: the run would end there anyway, and a
-        position after it has no grammar state to sample under); all of them for an unconstrained request.
-        The matcher is advanced over the drafts and rolled back: its state is exactly as before."""
+        """How many leading `drafts` the grammar takes (all, unconstrained), stopping before one it refuses or one
+        that would complete it (no grammar state to sample under after it); the matcher is left as it was."""
         matcher = self.matchers.get(request_id)
         if matcher is None:
             return len(drafts)
@@ -118,10 +105,8 @@ class StructuredDecoding:
         return consumed - 1 if complete else consumed
 
     def start(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> PendingMasks | None:
-        """Start computing the masks of the constrained ones among `seqs` (the sequences that sample this
-        step). `drafts` (per sequence, when some speculate): a sequence samples at 1 + len(drafts) rows
-        (`verify.position_views` order); a constrained one gets a mask per row, row j its grammar's after its
-        first j drafts (which `draft_prefix` allowed)."""
+        """Start the masks of the constrained ones among this step's sampling `seqs`. With `drafts` a sequence has
+        1 + len(drafts) rows (`verify.position_views` order), row j masked by its grammar after j drafts."""
         if not self.matchers:
             return None
         rows: list[int] = []
@@ -155,8 +140,7 @@ class StructuredDecoding:
     @staticmethod
     def _fill(executor: llguidance.LLExecutor, plain: list[tuple[llguidance.LLMatcher, int]],
               drafted: list[MaskJob], host: torch.Tensor) -> None:
-        """Write the masks into `host` (on the mask thread): one row per plain matcher, 1 + len(drafts) rows
-        per speculating one (llguidance advances it over its drafts and rolls it back)."""
+        """On the mask thread."""
         # llguidance.torch has these calls too, but importing it runs torch.compile (and imports inductor).
         width, size = host.shape[1] * host.element_size(), host.shape[0]
         if plain:
@@ -165,8 +149,8 @@ class StructuredDecoding:
             executor.unsafe_compute_mask_ptr_with_draft_token(drafted, host.data_ptr(), width, size)
 
     def wait(self, pending: PendingMasks | None) -> TokenMasks | None:
-        """The masks `start` computed, on the device (the host buffer is rewritten only after this step's
-        sampled ids were fetched, which waits for this copy)."""
+        """The masks on the device (the host buffer is rewritten only after this step's sampled ids were fetched,
+        which waits for this copy)."""
         if pending is None or self._host is None:
             return None
         host = self._host[: len(pending.rows)]
@@ -181,9 +165,8 @@ class StructuredDecoding:
 
     def accept(self, seqs: list[Sequence], tokens: list[int | None],
                runs: list[list[int]] | None = None) -> dict[int, Verdict]:
-        """Advance the constrained rows' matchers with their sampled tokens, after the drafts verification kept
-        (`runs`, aligned with `seqs`; None: none speculated); a verdict per constrained row that sampled. A run
-        that completes the grammar before its last token stops there (`Verdict.cut`)."""
+        """Advance the constrained rows' matchers over the kept drafts (`runs`, None: none) and the sampled token;
+        a verdict per constrained row that sampled."""
         verdicts: dict[int, Verdict] = {}
         if not self.matchers:
             return verdicts
@@ -199,8 +182,6 @@ class StructuredDecoding:
 
 
 def _advance(matcher: llguidance.LLMatcher, run: list[int]) -> Verdict:
-    """Consume `run` (a row's tokens this step) one token at a time: an error when one breaks the grammar;
-    complete when it can take nothing more, cut after the token that completed it when that is not the last."""
     for i, token in enumerate(run):
         if not matcher.consume_token(token):
             return Verdict(error=f"the structured_output grammar cannot go on: {_reason(matcher)}")
@@ -210,6 +191,6 @@ def _advance(matcher: llguidance.LLMatcher, run: list[int]) -> Verdict:
 
 
 def _reason(matcher: llguidance.LLMatcher) -> str:
-    """The first line of the matcher's error (the rest is a dump of its state and grammar)."""
+    """The first line of the matcher's error (the rest dumps its state)."""
     lines = (matcher.get_error() or "").strip().splitlines()
     return lines[0][:300] if lines else "the sampled token is not allowed"

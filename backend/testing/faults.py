@@ -1,11 +1,4 @@
-"""Test-only faults, installed on an engine only when asked (`FaultInjector.from_env()` is None unless one of
-the variables is set): nothing of them runs in production.
-
-- $TRITIUM_TEST_FAULT_MARKER: a model step whose batch holds a prompt containing that text raises, as a
-  crashing kernel would (only that step's requests fail).
-- $TRITIUM_TEST_LOOP_FAULT_MARKER: a step while a request whose prompt contains that text is in the engine
-  raises out of `LLMEngine.step`, as a bug in the scheduler would (the serving loop stops serving).
-"""
+"""Test-only faults, installed only when one of their variables is set (docs/operating.md#crashes)."""
 
 from __future__ import annotations
 
@@ -33,17 +26,16 @@ def _carries(marker: str, prompts: Iterable[str | None]) -> bool:
 
 @dataclass(frozen=True)
 class FaultInjector:
-    marker: str | None = None  # fails a model step
-    loop_marker: str | None = None  # fails the engine's step itself
+    marker: str | None = None  # a model step holding a prompt with it raises, as a crashing kernel would
+    loop_marker: str | None = None  # `LLMEngine.step` raises while such a prompt is in the engine (a scheduler bug)
 
     @classmethod
     def from_env(cls) -> FaultInjector | None:
-        """The faults the environment asks for; None when neither variable is set."""
+        """None when neither variable is set."""
         marker, loop_marker = os.environ.get(FAULT_MARKER_ENV) or None, os.environ.get(LOOP_FAULT_MARKER_ENV) or None
         return cls(marker, loop_marker) if marker or loop_marker else None
 
     def install(self, engine: LLMEngine) -> None:
-        """Wrap `engine`'s model step and engine step with the checks for the markers set."""
         if self.marker:
             logger.warning("fault injection is on: steps with a prompt containing %r will fail", self.marker)
             engine.worker.forward = self._guard(  # type: ignore[method-assign]

@@ -1,11 +1,5 @@
-"""Every scheduled sequence's block table, kept on the device and updated incrementally.
-
-Each sequence gets a row of a persistent `[max_num_seqs + 1, max_blocks_per_seq]` int32 tensor while it
-runs; a step sends only the block ids its sequences gained since their last step (flat index, block id)
-and applies them with one scatter. The last row stays all zeros: the padding rows of a batch point there.
-A preempted sequence's table is a new list (the block manager frees and rebuilds it), which is how a row
-knows to rewrite itself.
-"""
+"""Block tables as rows of one device tensor, sent incrementally (docs/architecture.md, "The engine step"). The
+last row stays zero for padding rows; a sequence whose `block_table` is a new list gets its row rewritten."""
 
 from __future__ import annotations
 
@@ -34,11 +28,10 @@ class DeviceBlockTables:
         self.update_value: list[int] = []
 
     def request_ids(self) -> set[str]:
-        """The requests holding a row."""
         return set(self._rows)
 
     def row(self, seq: Sequence) -> int:
-        """The row of `seq` (assigned on first use), after queueing the block ids it does not hold yet."""
+        """`seq`'s row (assigned on first use), its new block ids queued; RuntimeError when no row is free."""
         row = self._rows.get(seq.request_id)
         if row is None:
             if not self._free:
@@ -55,18 +48,17 @@ class DeviceBlockTables:
         return row.index
 
     def release(self, request_id: str) -> None:
-        """Give the row of a request that finished or was preempted back (unknown ids are ignored)."""
+        """Free a request's row (unknown ids: ignored)."""
         row = self._rows.pop(request_id, None)
         if row is not None:
             self._free.append(row.index)
 
     def take_updates(self) -> tuple[list[int], list[int]]:
-        """The table entries to write since the last call, as (flat indexes, block ids); forgets them."""
+        """(flat indexes, block ids) queued since the last call."""
         updates = self.update_index, self.update_value
         self.update_index, self.update_value = [], []
         return updates
 
     def apply(self, index: torch.Tensor, value: torch.Tensor) -> None:
-        """Scatter staged updates (int32 device tensors) into the table."""
         if index.numel():
             self.tensor.view(-1).index_put_((index,), value)

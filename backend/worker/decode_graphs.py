@@ -1,25 +1,5 @@
-"""Decode steps as CUDA graphs, one per batch-size bucket, captured at start.
-
-A decode step of n sequences runs padded to the smallest bucket >= n. Its inputs sit at fixed places of
-the staging buffer for that bucket, so replaying the captured graph reads them. On a CPU nothing is
-captured: `run` calls the same forward on the same padded buffers, which keeps that path tested without a
-GPU. Every bucket warms up and is captured on one side stream, into one graph memory pool (GraphCapture).
-
-With LoRA on, each bucket has a second graph, captured with adapters (`lora=True`): its inputs also hold one
-adapter slot per row (-1 for none), and it runs the per-row shrink / expand (lora/ops.py `add_lora_rows`,
-kernels/lora.py) on every target module. The stacked adapter weights are fixed device buffers
-(lora/weights.py), so a replay reads whatever was loaded into a slot after capture. Base-only steps replay
-the base graph and pay nothing for LoRA.
-
-Steps that mix decode rows with prefill chunks run eagerly, decode rows included. Running the decode rows
-through their bucket's graph and the prefill rows eagerly would not save the eager launches: a forward pass
-launches its ~330 kernels per layer op, not per row, so the prefill part alone launches as many as the whole
-mixed step does now, plus the graph; every weight matrix would be read twice (the graph's GEMMs and the
-prefill's); and the decode rows would have to be staged at their bucket's offsets apart from the prefill
-rows. What would cut a mixed step's host time is capturing the forward pass around attention per token
-count (piecewise graphs, as vLLM does). gpu-check's step timing (client/checks/engine.py) measures a mixed
-step's host time, GPU time and launches next to a decode step's, which says what that would gain.
-"""
+"""Decode steps as CUDA graphs per batch-size bucket, with LoRA a second one each (docs/architecture.md, "The
+engine step", also why mixed steps run eagerly, and "LoRA"). On a CPU the same padded steps run uncaptured."""
 
 from __future__ import annotations
 
@@ -41,13 +21,8 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 def use_decode_graphs(device_type: str, attention_backend: str, enforce_eager: bool | None) -> tuple[bool, str]:
-    """Whether decode steps run through the graph path, and why. `attention_backend` is the resolved name.
-
-    Graphs are captured only where the forward can be: on CUDA with the triton backend. The torch backend
-    (kernels/reference.py) synchronizes with the host inside the forward (boolean masks, `.max()` read on
-    the host), which a CUDA graph capture refuses, so on CUDA it always runs eagerly, whatever
-    `enforce_eager` says. On a CPU nothing is captured: enforce_eager=False runs the same padded static
-    buffers eagerly (which keeps that path tested), None or True plain eager steps."""
+    """Whether decode steps take the graph path, and why (docs/serving.md, `enforce_eager`). On CUDA the torch
+    attention backend synchronizes with the host inside the forward, which capture refuses."""
     if enforce_eager:
         return False, "enforce_eager=True"
     if device_type == "cuda":
@@ -61,10 +36,8 @@ def use_decode_graphs(device_type: str, attention_backend: str, enforce_eager: b
 
 
 class GraphCapture:
-    """Captures decode graphs on CUDA: every bucket warms up and is captured on one side stream (each stream
-    gets a cuBLAS workspace of its own, so a stream per bucket would cost a workspace per bucket) into one
-    graph memory pool (the buckets run one at a time, so their intermediates can share it). `cuda` is the
-    torch.cuda namespace; a test may pass a stand-in with the same calls to check the structure on a CPU."""
+    """Every bucket on one side stream (each stream gets its own cuBLAS workspace) into one pool (buckets run one
+    at a time). `cuda`: torch.cuda, or a test's stand-in."""
 
     def __init__(self, device: torch.device, cuda: Any = torch.cuda) -> None:
         self.device = device
@@ -73,8 +46,7 @@ class GraphCapture:
         self.pool = cuda.graph_pool_handle()
 
     def capture(self, forward: Forward) -> tuple[Callable[[], None], torch.Tensor]:
-        """Run `forward` once on the capture stream (compiling every kernel it launches and giving cuBLAS its
-        workspace there), then capture it. Returns the graph's replay and the output tensor it writes."""
+        """Warm `forward` up on the capture stream, then capture it; returns the replay and the tensor it writes."""
         cuda, stream = self.cuda, self.stream
         stream.wait_stream(cuda.current_stream(self.device))  # warm up off the default stream (torch docs)
         with cuda.stream(stream):
@@ -88,8 +60,7 @@ class GraphCapture:
 
 
 class DecodeGraphs:
-    """The decode buckets and, on CUDA, their captured graphs. `capture`: how graphs are captured (built for
-    `device` when None; on a CPU nothing is captured)."""
+    """The decode buckets and, on CUDA, their graphs (`capture` None: built for `device`)."""
 
     def __init__(self, buckets: list[int], device: torch.device, capture: GraphCapture | None = None) -> None:
         self.buckets = sorted(buckets)
@@ -105,20 +76,17 @@ class DecodeGraphs:
         return self.buckets[i] if num_seqs and i < len(self.buckets) else None
 
     def capture(self, bucket: int, forward: Forward, lora: bool = False) -> None:
-        """Run `forward` once (compiling every kernel it launches), then, where graphs are captured, capture it
-        for `bucket` (`lora`: as the bucket's graph with adapter rows)."""
+        """Run `forward` once (compiling its kernels), then capture it where graphs are captured."""
         if self._capture is None:
             forward()
             return
         self._graphs[(bucket, lora)] = self._capture.capture(forward)
 
     def captured(self) -> list[tuple[int, bool]]:
-        """The (bucket, lora) graphs captured, in order."""
         return sorted(self._graphs)
 
     def run(self, bucket: int, forward: Forward, lora: bool = False) -> torch.Tensor:
-        """The hidden states of the bucket's padded rows: a graph replay on CUDA, `forward()` elsewhere
-        (`lora`: the bucket's graph with adapter rows)."""
+        """The hidden states of the bucket's padded rows: a replay where captured, else `forward()`."""
         captured = self._graphs.get((bucket, lora))
         if captured is None:
             return forward()

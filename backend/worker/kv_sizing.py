@@ -19,7 +19,7 @@ from tritium.backend.worker.memory_budget import (
 
 @dataclass(frozen=True)
 class KvSizing:
-    """The KV cache's blocks and, when sized from a CUDA device's share, the memory plan behind them."""
+    """`plan`: when sized from a CUDA device's share."""
 
     num_blocks: int
     plan: MemoryPlan | None
@@ -28,14 +28,9 @@ class KvSizing:
 def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
                   max_model_len: int, largest_graph_bucket: int = 0, resident_bytes: int = 0,
                   planned_block_bytes: int = 0, logit_rows: int | None = None) -> KvSizing:
-    """KV blocks for this engine: `kv_cache_bytes` when set, else 1 GiB on a CPU and on CUDA its share
-    (`gpu_memory_utilization`) of the device less weights, activations, the decode graphs' pool (of
-    `largest_graph_bucket` rows; 0: no graphs), the sampler's temporaries and overhead (memory_budget.py);
-    `resident_bytes` (adapter slots, a draft model's weights) counts as weights, and on CUDA's share each block
-    also leaves `planned_block_bytes` (a draft model's cache of as many blocks; kv_cache_bytes is the target's).
-    `logit_rows`: the rows a step samples at most (max_num_seqs, x (1 + k) with speculation).
-    Call it with the weights loaded and nothing else allocated yet. Raises ValueError (numbers in it) when that
-    cannot hold one sequence of `max_model_len` tokens, or the share does not fit what the device has free."""
+    """KV blocks (docs/operating.md, "GPU memory"); `resident_bytes` count as weights, and on CUDA each block
+    leaves `planned_block_bytes` (a draft model's). Call it with only the weights allocated. Raises ValueError
+    (numbers in it) when the cache cannot hold one `max_model_len` sequence or the share exceeds free memory."""
     per_block = model.config.kv_bytes_per_block(config.block_size, dtype)
     weights = module_bytes(model) + resident_bytes
     budget = config.kv_cache_bytes

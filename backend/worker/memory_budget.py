@@ -1,20 +1,5 @@
-"""How much memory an engine's KV cache gets, and whether it is enough (plain arithmetic).
-
-On CUDA an engine may use `gpu_memory_utilization` x the device's total memory, everything included,
-so several engines (several models in one tritonserver) can share a GPU by giving each a fraction:
-
-    KV budget = gpu_memory_utilization x total - weights - activations - graph pool - sampler - CUDA overhead
-
-where activations is the peak memory of one eager forward pass of max_num_batched_tokens tokens
-(estimate_activation_bytes); the graph pool is the decode CUDA graphs' private memory pool, which eager
-steps cannot reuse: the intermediates of the largest bucket's forward pass (the buckets share one pool)
-and the cuBLAS workspace of the one capture stream (estimate_graph_pool_bytes); the sampler is the
-temporaries of top-k / top-p over max_num_seqs rows of the vocabulary (estimate_sampler_bytes); the
-overhead is the CUDA context, the default stream's cuBLAS workspace and compiled kernels, which torch does
-not count. Whatever the budget, the cache must hold one sequence of max_model_len tokens, or the engine
-refuses to start. `plan_memory` puts the terms together (`MemoryPlan`); gpu-check sets torch's reserved
-memory against the plan's `torch_bytes`.
-"""
+"""How much memory an engine's KV cache gets, and whether it is enough: plain arithmetic (docs/operating.md,
+"GPU memory"). Eager steps cannot reuse the decode graphs' pool, so it is a term of its own."""
 
 from __future__ import annotations
 
@@ -29,10 +14,8 @@ GiB = 1 << 30
 CUDA_OVERHEAD_BYTES = 768 * MiB
 ACTIVATION_SAFETY_FACTOR = 2  # temporaries, the caching allocator's rounding and fragmentation
 CAPTURE_STREAM_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace on the graph capture stream (torch's Hopper size)
-# Live bytes per (row, vocabulary entry) at the peak of sampling the random rows with top-k / top-p: the
-# gathered and temperature-scaled logits (4 + 4), the sort's values and int64 order (12) and its scratch,
-# the masked copies, softmax, cumulative sum and exclusive sum (4 each), the mask (1) and the scattered
-# result (4), plus the noise and probabilities of the draw; rounded up.
+# Live bytes per (row, vocabulary entry) at top-k / top-p's peak: scaled logits (8), the sort (12) and its
+# scratch, masked copies, softmax and sums (4 each), mask (1), scatter (4), the draw's noise and probs; rounded up.
 SAMPLER_BYTES_PER_LOGIT = 64
 
 
@@ -48,9 +31,8 @@ def kv_cache_budget(
     total_bytes: int, gpu_memory_utilization: float, weight_bytes: int, activation_bytes: int,
     overhead_bytes: int = CUDA_OVERHEAD_BYTES,
 ) -> int:
-    """Bytes left for the KV cache out of `gpu_memory_utilization` x `total_bytes`; `activation_bytes` is
-    everything a step allocates (see plan_memory). Raises ValueError (with the numbers) when the weights,
-    activations and overhead alone do not fit that share."""
+    """Bytes left for the KV cache in the share; `activation_bytes`: all a step allocates. Raises ValueError
+    (with the numbers) when the rest alone exceeds the share."""
     share = int(gpu_memory_utilization * total_bytes)
     budget = share - weight_bytes - activation_bytes - overhead_bytes
     if budget <= 0:
@@ -63,8 +45,7 @@ def kv_cache_budget(
 
 
 def check_free_memory(kv_bytes: int, activation_bytes: int, free_bytes: int, gpu_memory_utilization: float) -> None:
-    """Raise ValueError when the KV cache plus the activations still to come exceed what the device has
-    free now (other processes or engines took more than their share)."""
+    """Raise ValueError when the KV cache and activations exceed the device's free memory now."""
     needed = kv_bytes + activation_bytes
     if needed > free_bytes:
         raise ValueError(
@@ -76,7 +57,6 @@ def check_free_memory(kv_bytes: int, activation_bytes: int, free_bytes: int, gpu
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks of `block_size` tokens that hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
 
 
@@ -96,10 +76,8 @@ def check_fits_one_sequence(
 
 
 def estimate_activation_bytes(config: ModelConfig, num_tokens: int, num_logit_rows: int, dtype_bytes: int) -> int:
-    """Peak memory of one forward pass over `num_tokens` packed tokens, `num_logit_rows` of which get
-    logits, x ACTIVATION_SAFETY_FACTOR. Per token, at the widest point of a layer: hidden, residual
-    and normed input, q/k/v and their contiguous copies, the attention output, gate/up, the SiLU
-    product and the projection back. Logits are computed in the weights' dtype, then made fp32."""
+    """Peak bytes of one forward pass x ACTIVATION_SAFETY_FACTOR. Per token, a layer's widest point: hidden,
+    residual, normed input, q/k/v and copies, attention out, gate/up, SiLU product, down; logits in both dtypes."""
     h, inter = config.hidden_size, config.intermediate_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
     per_token = 4 * h + 2 * qkv + config.num_attention_heads * config.head_dim + 3 * inter
@@ -108,22 +86,20 @@ def estimate_activation_bytes(config: ModelConfig, num_tokens: int, num_logit_ro
 
 
 def estimate_graph_pool_bytes(config: ModelConfig, largest_bucket: int, dtype_bytes: int) -> int:
-    """The decode graphs' memory pool: the buckets are captured largest first into one pool, which then holds
-    the intermediates of the largest bucket's forward pass (no logits: they are computed after the graph), plus
-    the capture stream's cuBLAS workspace. 0 without graphs (`largest_bucket` 0)."""
+    """The largest bucket's forward pass without logits (buckets share the pool, captured largest first) plus
+    the capture stream's cuBLAS workspace; 0 without graphs."""
     if largest_bucket <= 0:
         return 0
     return estimate_activation_bytes(config, largest_bucket, 0, dtype_bytes) + CAPTURE_STREAM_WORKSPACE_BYTES
 
 
 def estimate_sampler_bytes(num_rows: int, vocab_size: int) -> int:
-    """Peak temporaries of sampling `num_rows` random rows over `vocab_size` tokens with top-k / top-p."""
     return num_rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """An engine's memory on CUDA, in bytes: its share of the device and what the share is spent on."""
+    """An engine's memory on CUDA, in bytes."""
 
     total: int
     share: int  # gpu_memory_utilization x total
@@ -136,12 +112,11 @@ class MemoryPlan:
 
     @property
     def step_bytes(self) -> int:
-        """What steps allocate beside the weights and the KV cache: activations, graph pool and sampler."""
         return self.activations + self.graph_pool + self.sampler
 
     @property
     def torch_bytes(self) -> int:
-        """What torch's caching allocator is expected to reserve at most: everything but the overhead."""
+        """What torch's caching allocator should reserve at most: all but the overhead."""
         return self.weights + self.kv_cache + self.step_bytes
 
 
@@ -150,8 +125,7 @@ def plan_memory(
     max_num_batched_tokens: int, num_logit_rows: int, largest_graph_bucket: int, dtype_bytes: int,
     overhead_bytes: int = CUDA_OVERHEAD_BYTES,
 ) -> MemoryPlan:
-    """The KV budget of an engine on a device of `total_bytes` (`largest_graph_bucket` 0: no decode graphs),
-    every term estimated. Raises ValueError (kv_cache_budget's) when the terms alone exceed the share."""
+    """Every term estimated (`largest_graph_bucket` 0: no graphs). Raises ValueError as kv_cache_budget does."""
     activations = estimate_activation_bytes(config, max_num_batched_tokens, num_logit_rows, dtype_bytes)
     graph_pool = estimate_graph_pool_bytes(config, largest_graph_bucket, dtype_bytes)
     sampler = estimate_sampler_bytes(num_logit_rows, config.vocab_size)
@@ -162,8 +136,7 @@ def plan_memory(
 
 
 def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's weights: parameters, buffers and plain tensor attributes (the weights
-    CpuPackedLinear holds packed)."""
+    """Parameters, buffers and plain tensor attributes (CpuPackedLinear's packed weights), in bytes."""
     tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     for sub in module.modules():
         tensors.update({id(v): v for v in vars(sub).values() if isinstance(v, torch.Tensor)})

@@ -1,21 +1,5 @@
-"""Owns the model and the KV cache; turns a scheduled step into one packed forward pass.
-
-A step's inputs go through the staging buffer (staging.py: one host-to-device copy) and the device block
-tables (block_tables.py: incremental). Decode-only steps of up to `max_num_seqs` sequences run padded to a
-batch-size bucket on fixed views of the staging buffer, so that on CUDA a graph captured per bucket at start
-replays them (decode_graphs.py); mixed and prefill steps run eagerly. The worker (worker.py) owns the staging
-buffer and the graphs and hands them to the runner.
-
-With LoRA on (`lora_stacks`), a step with adapter rows also stages those rows grouped by slot (lora/ops.py:
-the rows sorted by slot and the segments, host and device) and runs eagerly through the segmented shrink /
-expand; a decode-only step with adapter rows instead stages one slot per row (-1: base), padded to its bucket
-and put first (so at the same offsets for every step of that bucket), and replays the bucket's LoRA graph,
-captured beside the base one (decode_graphs.py); the stacked adapter weights never move, so a graph sees what
-is loaded into a slot later. With the triton attention backend the kernels of kernels/lora.py run them, with
-the torch backend the torch code of lora/ops.py; there an eager step's decode rows are instead put in windows
-by adapter (lora/windows.py: the order of decode rows is free, logits come back in scheduled order), which the
-CPU kernel (kernels/cpu_lora.py) or the torch form runs without gathers. Base-only steps are unchanged.
-"""
+"""Owns the model and the KV cache; turns a scheduled step into one packed forward pass (docs/architecture.md,
+"The engine step"; adapter rows: "LoRA")."""
 
 from __future__ import annotations
 
@@ -42,7 +26,7 @@ from tritium.kernels.warmup import warm_up as warm_up_kernels
 
 def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
                      lora: bool = False) -> int:
-    """The staging-buffer slots the runner's inputs of one step take at most (`lora`: with a slot per row)."""
+    """The most staging-buffer slots one step's runner inputs take."""
     width = -(-max_model_len // block_size)
     # A step carries at most max_num_batched_tokens, or one whole prompt when chunked prefill is off.
     seqs, tokens = max_num_seqs, max(max_num_batched_tokens, max_num_seqs, max_model_len)
@@ -53,17 +37,14 @@ def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_l
 
 
 def warm_up_prefills(max_prefill_tokens: int, max_model_len: int, max_num_seqs: int, cuda: bool) -> list[list[int]]:
-    """The prefill steps `ModelRunner.warm_up` runs, each as its sequences' lengths: on CUDA steps of 1, up to
-    64 and `max_prefill_tokens` tokens (on a CPU one token). A step is split into sequences of at most
-    `max_model_len` tokens, at most `max_num_seqs` of them, as the scheduler's steps are: one sequence longer
-    than `max_model_len` would need more block-table columns than a row has."""
+    """`ModelRunner.warm_up`'s prefill steps as sequence lengths: on CUDA 1, up to 64 and `max_prefill_tokens`
+    tokens (a CPU: 1), split as the scheduler would (at most `max_num_seqs` sequences of `max_model_len`)."""
     sizes = {1, max(2, min(max_prefill_tokens, 64)), max_prefill_tokens} if cuda else {1}
     capped = sorted({min(tokens, max_num_seqs * max_model_len) for tokens in sizes})
     return [split_tokens(tokens, max_model_len) for tokens in capped]
 
 
 def split_tokens(tokens: int, max_len: int) -> list[int]:
-    """`tokens` as sequence lengths of at most `max_len` each (the last one shorter)."""
     full, rest = divmod(tokens, max_len)
     return [max_len] * full + ([rest] if rest else [])
 
@@ -158,12 +139,10 @@ class ModelRunner:
             else None
 
     def release(self, request_id: str) -> None:
-        """Forget a finished or preempted request's block-table row."""
         self.block_tables.release(request_id)
 
     def prepare(self, batch: list[ScheduledSequence]) -> PreparedStep:
-        """Put the step's inputs (decode rows, one new token each, first; then prefill chunks) into the staging
-        buffer, which the caller began and uploads afterwards. Returns where they lie."""
+        """Stage the step's inputs (decode rows first) in the buffer the caller began and uploads after."""
         bs = self.block_size
         tables = self.block_tables
         host = HostStep()
@@ -173,7 +152,7 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(len(decode)) if graphable else None
         if self.windowed_decode and bucket is None:
             decode = self._windowed(decode, host)
-        for s in decode:  # decode rows: one token at position num_computed_tokens
+        for s in decode:
             seq = s.seq
             pos = seq.num_computed_tokens
             last_row[id(s)] = len(host.input_ids)
@@ -211,9 +190,7 @@ class ModelRunner:
         return self._stage(host, bucket)
 
     def _windowed(self, decode: list[ScheduledSequence], host: HostStep) -> list[ScheduledSequence]:
-        """The decode sequences in windowed order (lora/windows.py: packed for the CPU kernel, even for the torch
-        form, when they can be filled), whose windows `host` then keeps; else as they are. A step's prefill
-        rows keep the grouped form."""
+        """The decode rows in lora/windows.py's order, their windows kept in `host` (as they are when none fit)."""
         plan = plan_windows([s.seq.lora_slot for s in decode], packed=self.cpu_lora is not None)
         if plan is None:
             return decode
@@ -221,9 +198,7 @@ class ModelRunner:
         return [decode[i] for i in order]
 
     def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
-        """Put `host` into the staging buffer, decode sections padded to `bucket` (a graph reads them at the
-        same offsets for every step of that bucket: padding rows write nothing and attend to one key of the
-        zero block-table row)."""
+        """Decode sections are padded to `bucket`: padding rows write nothing and attend to the zero table row."""
         st, tables = self.staging, self.block_tables
         for name, width in (("decode", host.decode_width), ("prefill", host.prefill_width)):
             if width > tables.width:  # the table slice would silently give fewer columns than the kernels read
@@ -266,7 +241,7 @@ class ModelRunner:
         return step
 
     def metadata(self, step: PreparedStep) -> AttentionMetadata:
-        """The kernels' view of a staged step (device ops only: gathers of the block-table rows)."""
+        """The kernels' view of a staged step (device ops only)."""
         st, table = self.staging, self.block_tables.tensor
         return AttentionMetadata(
             slot_mapping=st.ints(step.slots),
@@ -301,8 +276,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
-        """fp32 logits on the model's device, one row per sequence that samples this step (scheduled
-        order; a speculating sequence has a row per verified position). The staged inputs must be uploaded."""
+        """fp32 logits, a row per sampling sequence (and per verified draft), scheduled order. Needs the upload."""
         st = self.staging
         self.block_tables.apply(st.ints(step.update_index), st.ints(step.update_value))
         if step.bucket is not None:
@@ -315,9 +289,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_prefill_tokens: int) -> float:
-        """Launch everything the engine will launch before serving, so nothing compiles while it serves: every
-        Triton kernel variant (kernels/warmup.py), a prefill, a mixed step, and each decode bucket (captured as
-        a CUDA graph on CUDA). Writes no KV (slots -1). Returns the seconds taken."""
+        """Launch every kernel variant and step shape, capturing the graphs, so nothing compiles later; seconds."""
         t0 = time.perf_counter()
         if self.backend.name == "triton":  # every kernel variant, each decode split count included
             c = self.model.config
@@ -343,8 +315,7 @@ class ModelRunner:
 
     def _dummy_step(self, num_decode: int, prefill: list[int], bucket: int | None = None,
                     lora: bool = False) -> PreparedStep:
-        """A staged and uploaded step whose sequences (`num_decode` decode rows, then prefill sequences of the
-        `prefill` lengths) all use the zero padding row and write nothing (`lora`: with row slots, all -1)."""
+        """A staged, uploaded step whose sequences all use the zero padding row and write nothing."""
         pad_row = self.block_tables.padding_row
         tokens = num_decode + sum(prefill)
         host = HostStep(

@@ -1,10 +1,5 @@
-"""A step's small inputs (token ids, positions, slots, lengths, block-table updates, sampling settings),
-written on the host into one persistent int32 buffer and sent to the device in one non-blocking copy.
-
-The host buffer is pinned on CUDA and written through a numpy view, so filling it builds no tensors; the
-device buffer never moves, so a CUDA graph captured on views of it reads each step's values. Floats are
-stored as their float32 bits.
-"""
+"""A step's small inputs in one persistent int32 buffer, one copy to the device (docs/architecture.md, "The
+engine step"). The device buffer never moves, so graphs captured on its views read each step's values."""
 
 from __future__ import annotations
 
@@ -21,7 +16,7 @@ from tritium.backend.sample.settings import ROW_SETTINGS, HostRowSettings, RowSe
 
 
 class StagingOverflow(RuntimeError):
-    """A step's inputs do not fit the staging buffer (its capacity is sized from the engine's limits)."""
+    """A step's inputs do not fit the staging buffer."""
 
 
 class StagingBuffer:
@@ -36,8 +31,7 @@ class StagingBuffer:
         self._copied: torch.cuda.Event | None = None
 
     def begin(self) -> None:
-        """Start a step's inputs. Waits for the previous step's copy to have left the host buffer (it has,
-        whenever that step fetched sampled tokens)."""
+        """Start a step's inputs, once the previous upload has left the host buffer."""
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
@@ -51,7 +45,7 @@ class StagingBuffer:
         return slice(start, start + n)
 
     def put(self, values: Values[int] | npt.NDArray[np.integer[Any]], pad_to: int = 0, fill: int = 0) -> slice:
-        """Append int values, padded with `fill` up to `pad_to` entries; returns where they went."""
+        """Append ints, padded with `fill` to `pad_to`; returns where. Raises StagingOverflow when full."""
         n = len(values)
         where = self._reserve(max(n, pad_to))
         self._ints[where.start : where.start + n] = values
@@ -60,14 +54,13 @@ class StagingBuffer:
         return where
 
     def put_floats(self, values: Values[float]) -> slice:
-        """Append float values (stored as their float32 bits); returns where they went. Raises StagingOverflow
-        when the buffer is full."""
+        """Append floats as their float32 bits; returns where. Raises StagingOverflow when full."""
         where = self._reserve(len(values))
         self._floats[where] = values
         return where
 
     def upload(self) -> None:
-        """One host-to-device copy of everything put since `begin` (non-blocking from pinned memory)."""
+        """One copy of everything put since `begin` (non-blocking from pinned memory on CUDA)."""
         n = self.size
         if n == 0:
             return
@@ -79,17 +72,15 @@ class StagingBuffer:
             self.device_buffer[:n].copy_(self.host[:n])
 
     def ints(self, where: slice) -> torch.Tensor:
-        """The device view of `where` as int32 (valid after `upload`)."""
         return self.device_buffer[where]
 
     def floats(self, where: slice) -> torch.Tensor:
-        """The device view of `where` as float32 (valid after `upload`)."""
         return self.device_buffer[where].view(torch.float32)
 
 
 @dataclass
 class StagedRowSettings:
-    """Where `stage_row_settings` put the settings in the staging buffer (device views exist after upload)."""
+    """Where `stage_row_settings` put the settings."""
 
     rows: list[int]
     index: slice
@@ -97,13 +88,13 @@ class StagedRowSettings:
     used: frozenset[str]
 
     def tensors(self, staging: StagingBuffer) -> RowSettings:
-        """The device views of the staged settings; valid once `staging` was uploaded."""
+        """Valid once `staging` was uploaded."""
         views = {s.name: (staging.floats if s.is_float else staging.ints)(self.where[s.name]) for s in ROW_SETTINGS}
         return RowSettings(self.rows, staging.ints(self.index), views, self.used)
 
 
 def stage_row_settings(staging: StagingBuffer, seqs: list[Sequence]) -> StagedRowSettings | None:
-    """Put the random rows' settings into this step's staging buffer; None when every row is greedy."""
+    """Stage the random rows' settings; None when every row is greedy."""
     host = HostRowSettings.of(seqs)
     if not host.rows:
         return None

@@ -1,17 +1,4 @@
-"""How many intra-op (OpenMP) threads a CPU engine runs: sized to the cores it may use and what runs beside it.
-
-The forward pass's OpenMP threads meet at a barrier in every parallel region, so one of them that loses its
-core to another thread stalls them all. In-process (`LLM`, offline) the engine has the host to itself and
-uses every usable core. Served (inside tritonserver) the server, the response thread and the tokenizer
-thread need a core too: the engine leaves them one on a host of up to `SMALL_HOST_CORES` cores, two above
-that, and never runs fewer than one thread. On the 2-core development VM the served engine made 0.42-0.44x
-its in-process throughput with two threads and 1.01-1.04x pinned to one core with one thread.
-
-Usable cores: the process's CPU affinity, capped by the cgroup CPU quota (v2 `cpu.max`, v1
-`cpu.cfs_quota_us` / `cpu.cfs_period_us`) rounded up. `num_threads` (EngineConfig / model.json) overrides
-the rule, and so does OMP_NUM_THREADS when num_threads is unset. The functions take their inputs (paths,
-affinity) as arguments so that other hosts can be simulated.
-"""
+"""How many intra-op (OpenMP) threads a CPU engine runs (the rule and why: docs/operating.md, "CPU threads")."""
 
 from __future__ import annotations
 
@@ -29,8 +16,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Cores:
-    """The cores this process may use (`count`, at least 1) and where that comes from: the affinity mask's
-    size, and the cgroup quota in CPUs (None: no quota) with the file it was read from."""
+    """Usable cores (`count` >= 1): the affinity mask's size capped by the cgroup quota in CPUs (None: none)."""
 
     count: int
     affinity: int
@@ -46,15 +32,14 @@ class Cores:
 
 @dataclass(frozen=True)
 class ThreadChoice:
-    """The intra-op thread count and why, in words (logged)."""
+    """The thread count and why, in words (logged)."""
 
     count: int
     reason: str
 
 
 def parse_cpu_max(text: str) -> float | None:
-    """The CPUs a cgroup v2 `cpu.max` ("quota period", quota "max": none) allows; None when unlimited or
-    unreadable."""
+    """CPUs a cgroup v2 `cpu.max` ("quota period") allows; None when "max" or unreadable."""
     parts = text.split()
     if not parts or parts[0] == "max":
         return None
@@ -67,8 +52,7 @@ def parse_cpu_max(text: str) -> float | None:
 
 
 def parse_cfs(quota_text: str, period_text: str) -> float | None:
-    """The CPUs cgroup v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us` allow; None when unlimited (-1) or
-    unreadable."""
+    """CPUs cgroup v1's cfs quota and period allow; None when unlimited (-1) or unreadable."""
     try:
         quota, period = int(quota_text.strip()), int(period_text.strip())
     except ValueError:
@@ -84,8 +68,7 @@ def _read(path: Path) -> str | None:
 
 
 def _own_cgroup_dirs(root: Path, proc_cgroup: Path, v1_controller: str | None) -> list[Path]:
-    """The process's own cgroup folder under `root` and its ancestors (nearest first), from /proc/self/cgroup
-    (v2: the "0::" line; v1: the line naming `v1_controller`), then `root` itself."""
+    """The process's cgroup folder under `root` and its ancestors, nearest first, then `root`."""
     rel: str | None = None
     for line in (_read(proc_cgroup) or "").splitlines():
         hier, _, rest = line.partition(":")
@@ -104,9 +87,7 @@ def _own_cgroup_dirs(root: Path, proc_cgroup: Path, v1_controller: str | None) -
 
 
 def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> tuple[float | None, str | None]:
-    """The tightest cgroup CPU quota over the process's cgroup and its ancestors, in CPUs, and the file it
-    came from; (None, None) without one. Reads cgroup v2 (`root/.../cpu.max`) and v1
-    (`root/cpu[,cpuacct]/.../cpu.cfs_quota_us` and `cpu.cfs_period_us`)."""
+    """The tightest CPU quota (v2 or v1) over the process's cgroups, in CPUs, and its file; (None, None): none."""
     found: list[tuple[float, str]] = []
     for folder in _own_cgroup_dirs(root, proc_cgroup, None):
         text = _read(folder / "cpu.max")
@@ -129,8 +110,7 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGR
 
 def usable_cores(affinity: set[int] | None = None, root: Path = CGROUP_ROOT,
                  proc_cgroup: Path = PROC_SELF_CGROUP) -> Cores:
-    """The cores this process may use: its affinity mask (`affinity`, None: os.sched_getaffinity, else
-    os.cpu_count) capped by the cgroup CPU quota rounded up; at least 1."""
+    """The affinity mask (None: the process's) capped by the cgroup CPU quota rounded up; at least 1."""
     if affinity is None:
         try:
             affinity = os.sched_getaffinity(0)
@@ -144,9 +124,7 @@ def usable_cores(affinity: set[int] | None = None, root: Path = CGROUP_ROOT,
 
 def choose_threads(usable: int, served: bool, override: int | None = None,
                    omp_num_threads: str | None = None) -> ThreadChoice:
-    """The intra-op thread count for an engine with `usable` cores: `override` (num_threads) when set, else
-    a valid OMP_NUM_THREADS (`omp_num_threads`), else every core in-process and, served, all but one on a
-    host of up to SMALL_HOST_CORES cores and all but two above (never fewer than 1)."""
+    """`override`, else a valid `omp_num_threads`, else the rule (docs/operating.md, "CPU threads")."""
     if override is not None:
         return ThreadChoice(override, "num_threads is set")
     if omp_num_threads:
@@ -168,9 +146,7 @@ def choose_threads(usable: int, served: bool, override: int | None = None,
 
 
 def set_up_threads(num_threads: int | None, served: bool, device_type: str) -> ThreadChoice | None:
-    """On a CPU: choose the intra-op thread count, set it (torch.set_num_threads) and log it; returns it with
-    why and the usable cores in `reason`. None, changing nothing, on another device (its kernels do not run on
-    these threads)."""
+    """On a CPU: choose, set and log the thread count; None, changing nothing, on another device."""
     import torch
 
     if device_type != "cpu":

@@ -1,9 +1,4 @@
-"""The device side of the engine: one call, `execute(batch)`, per step (docs/architecture.md, "A request's path").
-
-A step stages the runner's inputs and the random rows' sampling settings, uploads them in one copy, runs the
-forward pass while the constrained rows' grammar masks are computed, samples, advances the grammars and, with
-speculative decoding, proposes each speculating request's drafts for its next step.
-"""
+"""The device side of the engine: `execute(batch)` once a step (docs/architecture.md, "A request's path")."""
 
 from __future__ import annotations
 
@@ -45,10 +40,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    """What a step produced for each sequence that sampled (`SchedulerOutput.sampling`, in that order): its
-    token (None when it got none: `errors` says why), its logprobs when asked, and whether its grammar is
-    complete (only EOS may follow: the request stops). `failed`: the forward pass raised, so no sequence got a
-    token and every scheduled one fails (the lists are empty then)."""
+    """Per sampling sequence (`SchedulerOutput.sampling` order); a None token: `errors` says why. `failed`: the
+    forward pass raised, every scheduled sequence fails (the lists are empty)."""
 
     token_ids: list[int | None] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
@@ -65,7 +58,6 @@ class StepResult:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What the engine learns of its worker once it is built."""
 
     device: torch.device
     dtype: torch.dtype
@@ -81,13 +73,11 @@ class WorkerInfo:
 
 
 class Worker:
-    """Loads the model on the configured device, sizes and allocates its KV cache, captures the decode graphs
-    and warms every kernel up. Raises ValueError (or ModelFolderError) when the model cannot run here: an
-    unsupported checkpoint or head size, or a KV cache that cannot hold one `max_model_len` sequence."""
+    """Raises ValueError (or ModelFolderError) when the model cannot run here: an unsupported checkpoint or head
+    size, or a KV cache that cannot hold one `max_model_len` sequence. `served`: inside tritonserver."""
 
     def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler,
                  served: bool = False) -> None:
-        """`served`: inside tritonserver, whose threads need cores too (threads.py)."""
         device = set_up_device(config)
         threads = set_up_threads(config.num_threads, served, device.type)
         dtype = config.torch_dtype(device)
@@ -131,9 +121,8 @@ class Worker:
                                warm_up_s, threads, sizing.plan, stacks)
 
     def add_request(self, request_id: str, params: SamplingParams, matcher: llguidance.LLMatcher | None) -> None:
-        """Take on a request's device-side state: its grammar matcher (`matcher`, or compiled here from
-        `params.structured_output`), its seeded generator and its draft length. Raises ValueError, holding
-        nothing of it, when its structured output cannot be enforced."""
+        """`matcher` None: compiled here. Raises ValueError, holding nothing of the request, when its
+        structured output cannot be enforced."""
         if params.structured_output is not None:
             self.structured.add(request_id, params.structured_output, matcher)
         self.sampler.add_request(request_id, params.seed)
@@ -141,7 +130,7 @@ class Worker:
             self.proposer.add_request(request_id)
 
     def release(self, request_id: str) -> None:
-        """Drop a finished request's state (none: nothing happens)."""
+        """Drop a finished request's state (unknown ids: ignored)."""
         self.sampler.remove_request(request_id)
         self.structured.remove(request_id)
         self.runner.release(request_id)
@@ -149,14 +138,13 @@ class Worker:
             self.proposer.remove_request(request_id)
 
     def held_requests(self) -> set[str]:
-        """The requests the worker holds state for: a generator, a matcher, a block-table row or a draft length."""
+        """The requests the worker holds any state for."""
         held = set(self.sampler.generators) | set(self.structured.matchers) | self.runner.block_tables.request_ids()
         return held | set(self.proposer.lengths) if self.proposer is not None else held
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
-        """Run one scheduled step: the forward pass (the constrained rows' grammar masks computed meanwhile),
-        sampling, the grammars advanced, the next drafts. A forward pass that raised is logged and comes back as
-        a failed result; the worker is ready for the next step either way. Sampling failures are per row."""
+        """A forward pass that raises is logged and returns a failed result; sampling failures are per row. The
+        worker is ready for the next step either way."""
         use_device(self.device)  # the serving loop steps on a thread of its own
         for seq in batch.preempted:  # readmitted later with new blocks: a new row then, and no draft KV
             self.runner.release(seq.request_id)
@@ -182,9 +170,7 @@ class Worker:
         return result
 
     def forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
-        """Stage the runner's inputs and the random rows' settings (`rows`: the sampler's rows, a speculating
-        sequence's verified positions included), upload them in one copy and run the forward pass: the sampling
-        rows' logits and those settings on the device."""
+        """Stage and upload the inputs and `rows`' settings, run the forward pass: logits and settings on device."""
         self.staging.begin()
         step = self.runner.prepare(batch.scheduled)
         staged = stage_row_settings(self.staging, rows)
@@ -193,9 +179,7 @@ class Worker:
         return logits, staged.tensors(self.staging) if staged is not None else None
 
     def _verify(self, batch: SchedulerOutput, sampled: SamplerOutput) -> Verified:
-        """Each speculating sequence's run: the drafts its positions confirmed, then the token sampled after them.
-        Its draft length learns from it, and its seeded generator keeps only the draws of the run's positions, so
-        its text does not depend on how many drafts a step verified."""
+        """Each sequence's run (accept_runs); its draft length learns and its seeded generator keeps the run's draws."""
         verified = accept_runs(batch.drafts, sampled)
         first = 0
         for seq, draft, kept in zip(batch.sampling, batch.drafts, verified.accepted, strict=True):
@@ -207,9 +191,7 @@ class Worker:
         return verified
 
     def _accept(self, seqs: list[Sequence], sampled: SamplerOutput, verified: Verified | None) -> StepResult:
-        """Advance the constrained rows' grammars with their tokens (`verified`: a speculating step's runs,
-        accepted drafts first): a token that breaks its grammar becomes that row's error; a grammar that is
-        complete says so, and a run that completed it early ends at that token."""
+        """Advance the grammars: a token breaking one becomes its row's error; a run completing one ends there."""
         complete = [False] * len(seqs)
         runs = verified.accepted if verified is not None else None
         for row, verdict in self.structured.accept(seqs, sampled.token_ids, runs).items():
@@ -224,8 +206,7 @@ class Worker:
         return result
 
     def _propose(self, seqs: list[Sequence], result: StepResult) -> None:
-        """`result.drafts`: each sequence's drafts for its next step, after the run this step gave it (none for a
-        row without a token or whose grammar is complete)."""
+        """Fill `result.drafts` (none for a row without a token or with a complete grammar)."""
         assert self.proposer is not None
         for row, seq in enumerate(seqs):
             token = result.token_ids[row]
