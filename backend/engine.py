@@ -72,8 +72,7 @@ class EngineStats:
 class LLMEngine:
     """Requests in, delta outputs out: the scheduler, the worker and the text side, driven by `step`."""
 
-    def __init__(self, config: EngineConfig, served: bool = False) -> None:
-        """`served`: the engine runs inside tritonserver (triton_model.py), which sizes its CPU threads."""
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer(self.model_path)
@@ -81,7 +80,7 @@ class LLMEngine:
         checkpoint = ModelConfig.from_folder(self.model_path)
         self.grammars = GrammarCompiler(self.tokenizer, checkpoint.eos_token_ids,
                                         cache_bytes=config.grammar_cache_bytes)
-        self.worker = Worker(config, self.model_path, self.grammars, served)
+        self.worker = Worker(config, self.model_path, self.grammars)
         info = self.worker_info
         self.device, self.dtype = info.device, info.dtype
         self.model_config = info.model_config

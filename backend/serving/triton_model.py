@@ -89,7 +89,7 @@ class EngineModel(ABC, Generic[R]):
         self.timeout_s = settings.request_timeout_s or self.default_timeout_s
         # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
         config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
-        self.engine = LLMEngine(config, served=True)  # leaves cores to the server's threads on a CPU
+        self.engine = LLMEngine(config)
         install_faults_from_env(self.engine)
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], self.engine)
         self.loop = EngineLoop(self.engine, metrics, settings.max_pending_requests, settings.stream_interval,

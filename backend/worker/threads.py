@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-SMALL_HOST_CORES = 8  # up to this many usable cores a served engine leaves one to the server; above, two
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 logger = logging.getLogger(__name__)
@@ -122,9 +121,8 @@ def usable_cores(affinity: set[int] | None = None, root: Path = CGROUP_ROOT,
     return Cores(count, allowed, quota, source)
 
 
-def choose_threads(usable: int, served: bool, override: int | None = None,
-                   omp_num_threads: str | None = None) -> ThreadChoice:
-    """`override`, else a valid `omp_num_threads`, else the rule (docs/operating.md, "CPU threads")."""
+def choose_threads(usable: int, override: int | None = None, omp_num_threads: str | None = None) -> ThreadChoice:
+    """`override`, else a valid `omp_num_threads`, else every usable core (docs/operating.md, "CPU threads")."""
     if override is not None:
         return ThreadChoice(override, "num_threads is set")
     if omp_num_threads:
@@ -134,25 +132,17 @@ def choose_threads(usable: int, served: bool, override: int | None = None,
             omp = 0
         if omp >= 1:
             return ThreadChoice(omp, "OMP_NUM_THREADS is set")
-    usable = max(1, usable)
-    if not served:
-        return ThreadChoice(usable, "in-process: every usable core")
-    spare = 1 if usable <= SMALL_HOST_CORES else 2
-    count = max(1, usable - spare)
-    if count == usable:
-        return ThreadChoice(count, "served on a single core: one thread")
-    return ThreadChoice(count, f"served: {spare} core{'s' if spare > 1 else ''} left to tritonserver and the "
-                               "response and tokenizer threads")
+    return ThreadChoice(max(1, usable), "every usable core")
 
 
-def set_up_threads(num_threads: int | None, served: bool, device_type: str) -> ThreadChoice | None:
+def set_up_threads(num_threads: int | None, device_type: str) -> ThreadChoice | None:
     """On a CPU: choose, set and log the thread count; None, changing nothing, on another device."""
     import torch
 
     if device_type != "cpu":
         return None
     cores = usable_cores()
-    rule = choose_threads(cores.count, served, num_threads, os.environ.get("OMP_NUM_THREADS"))
+    rule = choose_threads(cores.count, num_threads, os.environ.get("OMP_NUM_THREADS"))
     torch.set_num_threads(rule.count)
     choice = ThreadChoice(rule.count, f"{rule.reason}; {cores.describe()}")
     logger.info("tritium engine: %d intra-op threads, %s", choice.count, choice.reason)

@@ -74,12 +74,11 @@ class WorkerInfo:
 
 class Worker:
     """Raises ValueError (or ModelFolderError) when the model cannot run here: an unsupported checkpoint or head
-    size, or a KV cache that cannot hold one `max_model_len` sequence. `served`: inside tritonserver."""
+    size, or a KV cache that cannot hold one `max_model_len` sequence."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler,
-                 served: bool = False) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler) -> None:
         device = set_up_device(config)
-        threads = set_up_threads(config.num_threads, served, device.type)
+        threads = set_up_threads(config.num_threads, device.type)
         dtype = config.torch_dtype(device)
         backend = get_attention_backend(config.attention_backend, device)
         check_attention_backend(ModelConfig.from_folder(model_path), backend.name)  # before the weights load

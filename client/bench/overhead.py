@@ -20,8 +20,7 @@ overhead.png.
 
 On a small CPU run it with nothing else busy: torch's intra-op threads make the forward pass many times
 slower when another process holds a core. OMP_NUM_THREADS (the server inherits it) sets them in both paths;
-without it the in-process engine uses every usable core and the served one leaves one to the server
-(backend/worker/threads.py).
+without it both use every usable core (backend/worker/threads.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine import LLMEngine
-from tritium.backend.worker.threads import choose_threads, usable_cores
+from tritium.backend.worker.threads import usable_cores
 
 
 @pytest.fixture(autouse=True)
@@ -35,10 +35,10 @@ def test_num_threads_sets_torch_threads_and_is_logged(make_llm: Callable[..., LL
     assert len(out[0].token_ids) == 3
 
 
-def test_a_served_engine_leaves_a_core_to_the_server(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_uses_every_usable_core(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_cache_bytes=8 << 20, device="cpu"), served=True)
-    expected = choose_threads(usable_cores().count, served=True).count
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), kv_cache_bytes=8 << 20, device="cpu"))
+    expected = usable_cores().count
     threads = engine.worker_info.threads
     assert threads is not None and threads.count == expected
     assert torch.get_num_threads() == expected

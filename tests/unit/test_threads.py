@@ -1,4 +1,4 @@
-"""CPU intra-op threads sized to the host (worker/threads.py): the rule, the cgroup quota, the affinity mask."""
+"""CPU intra-op threads sized to the host (worker/threads.py): every usable core, the cgroup quota, the affinity."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from tritium.backend.config import EngineConfig
 from tritium.backend.serving.settings import load_settings
 from tritium.backend.worker.threads import (
+    ThreadChoice,
     cgroup_cpu_quota,
     choose_threads,
     parse_cfs,
@@ -19,26 +20,21 @@ from tritium.backend.worker.threads import (
 )
 
 
-@pytest.mark.parametrize("cores,in_process,served", [(1, 1, 1), (2, 2, 1), (4, 4, 3), (8, 8, 7), (16, 16, 14),
-                                                      (64, 64, 62)])
-def test_in_process_uses_every_core_and_served_leaves_one_or_two(cores: int, in_process: int, served: int) -> None:
-    assert choose_threads(cores, served=False).count == in_process
-    choice = choose_threads(cores, served=True)
-    assert choice.count == served
-    assert choice.reason
+@pytest.mark.parametrize("cores", [1, 2, 4, 8, 16, 64])
+def test_every_usable_core_runs_a_thread(cores: int) -> None:
+    assert choose_threads(cores) == ThreadChoice(cores, "every usable core")
 
 
 def test_num_threads_overrides_the_rule_and_omp_num_threads() -> None:
-    assert choose_threads(16, served=True, override=3).count == 3
-    assert choose_threads(2, served=False, override=5, omp_num_threads="1").count == 5  # more than the cores: asked
-    assert choose_threads(16, served=True, override=3).reason == "num_threads is set"
+    assert choose_threads(16, override=3) == ThreadChoice(3, "num_threads is set")
+    assert choose_threads(2, override=5, omp_num_threads="1").count == 5  # more than the cores: asked
 
 
 def test_omp_num_threads_counts_when_num_threads_is_unset() -> None:
-    choice = choose_threads(16, served=False, omp_num_threads="4")
+    choice = choose_threads(16, omp_num_threads="4")
     assert (choice.count, choice.reason) == (4, "OMP_NUM_THREADS is set")
-    assert choose_threads(16, served=False, omp_num_threads="junk").count == 16
-    assert choose_threads(16, served=False, omp_num_threads="0").count == 16
+    assert choose_threads(16, omp_num_threads="junk").count == 16
+    assert choose_threads(16, omp_num_threads="0").count == 16
 
 
 @pytest.mark.parametrize("text,cpus", [("150000 100000\n", 1.5), ("max 100000\n", None), ("200000 100000", 2.0),
@@ -69,8 +65,7 @@ def test_a_v2_quota_of_one_and_a_half_cpus_caps_a_16_core_affinity_at_2(tmp_path
     cores = usable_cores(set(range(16)), root, proc)
     assert (cores.count, cores.affinity, cores.quota) == (2, 16, 1.5)
     assert "1.5 CPUs" in cores.describe()
-    assert choose_threads(cores.count, served=True).count == 1
-    assert choose_threads(cores.count, served=False).count == 2
+    assert choose_threads(cores.count).count == 2
 
 
 def test_the_tightest_quota_of_the_ancestors_wins(tmp_path: Path) -> None:
@@ -113,7 +108,7 @@ def test_a_quota_below_one_cpu_still_runs_one_thread(tmp_path: Path) -> None:
     (root / "cpu.max").write_text("20000 100000\n")
     cores = usable_cores(set(range(8)), root, _proc(tmp_path, "0::/\n"))
     assert cores.count == 1
-    assert choose_threads(cores.count, served=True).count == 1
+    assert choose_threads(cores.count).count == 1
 
 
 def test_this_host_is_read_without_error() -> None:
@@ -122,7 +117,7 @@ def test_this_host_is_read_without_error() -> None:
 
 
 def test_threads_are_left_alone_off_the_cpu() -> None:
-    assert set_up_threads(3, served=True, device_type="cuda") is None
+    assert set_up_threads(3, device_type="cuda") is None
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, "4", True])
