@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from tritium.backend.config import EngineConfig, SpeculativeConfig
 from tritium.backend.core.batch import SchedulerOutput
 from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.rotary_rule import RotaryLengthRule
 from tritium.backend.core.scheduler import Scheduler
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.core.stop_checker import StopChecker
@@ -96,10 +97,12 @@ class LLMEngine:
         self.spec_totals = SpecTotals() if spec is not None else None
         # A draft model writes its KV at the positions it drafts at: those need blocks before it runs.
         lookahead = spec.num_speculative_tokens if spec is not None and spec.model is not None else 0
+        rope = info.length_dependent_rope
+        rotary_rule = RotaryLengthRule(*rope) if rope is not None else None
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             StopChecker(self.eos_token_ids), self.lora, config.scheduling_policy, config.priority_aging_s,
-            num_lookahead_tokens=lookahead, max_model_len=self.max_model_len,
+            num_lookahead_tokens=lookahead, max_model_len=self.max_model_len, rotary_rule=rotary_rule,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}

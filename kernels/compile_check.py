@@ -72,6 +72,10 @@ class ModelShape(NamedTuple):
     intermediate: int
     rotary_dim: int
     vocab: int = 49152
+    windows: tuple[int | None, ...] = (None,)  # the layers' attention: None full, an int a sliding window
+    softcap: float | None = None
+    activation: str = "silu_and_mul"
+    qk_norm: bool = False
 
     def engine_shape(self, dtype: Any, block_size: int, max_blocks_per_seq: int) -> Any:
         """The warm-up's `EngineShape` of an engine serving this model on CPU tensors."""
@@ -79,7 +83,8 @@ class ModelShape(NamedTuple):
 
         return EngineShape(self.heads, self.kv_heads, self.head_dim, self.hidden, self.intermediate, self.rotary_dim,
                            block_size, max_blocks_per_seq, dtype, vocab_size=self.vocab, quantization="int8",
-                           lora_rank=16)
+                           lora_rank=16, windows=self.windows, softcap=self.softcap, activation=self.activation,
+                           qk_norm=self.qk_norm)
 
 
 # The default model and Llama/Qwen shapes covering GQA groups 1, 3, 4, 8 at head_dim 64 and 128, with their
@@ -94,12 +99,19 @@ MODELS = (
     ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 14336, 128, 128256),
     ModelShape("Qwen2.5-3B", 2048, 16, 2, 128, 11008, 128, 151936),
 )
-# head_dim 32 and 256 (a made-up GQA-4 shape with Llama-3.2-1B's other sizes; Gemma-2-9B's attention), compiled
-# in bf16 by default and in every dtype by --full.
+# head_dim 32 (a made-up GQA-4 shape with Llama-3.2-1B's other sizes) and the families with their own kernel
+# variants: Gemma 3 (head_dim 256, sliding and full layers, GELU, q/k norm), Gemma 2 (and soft-capped attention;
+# head_dim 256 and 128), Qwen3 (head_dim 128 with a smaller hidden size, GQA 2, q/k norm), Phi-4-mini (rotary over
+# 96 of 128 features); compiled in bf16 and fp16 by default and in every dtype by --full.
 WIDE_MODELS = (
     ModelShape("head_dim-32", 2048, 64, 16, 32, 8192, 32, 128256),
-    ModelShape("Gemma-2-9B", 3584, 16, 8, 256, 14336, 256, 256000),
+    ModelShape("Gemma-3-1B", 1152, 4, 1, 256, 6912, 256, 262144, (None, 512), None, "gelu_tanh_and_mul", True),
+    ModelShape("Gemma-2-9B", 3584, 16, 8, 256, 14336, 256, 256000, (None, 4096), 50.0, "gelu_tanh_and_mul"),
+    ModelShape("Gemma-2-27B", 4608, 32, 16, 128, 36864, 128, 256000, (None, 4096), 50.0, "gelu_tanh_and_mul"),
+    ModelShape("Qwen3-0.6B", 1024, 16, 8, 128, 3072, 128, 151936, qk_norm=True),
+    ModelShape("Phi-4-mini", 3072, 24, 8, 128, 8192, 96, 200064),
 )
+WIDE_DTYPES = ("bf16", "fp16")
 # The model at which the default run compiles block sizes other than BLOCK_SIZE (in bf16): head_dim 128, GQA 4,
 # the attention tiles that need the most shared memory.
 BLOCK_SIZE_MODEL = MODELS[6]
@@ -119,7 +131,7 @@ def coverage(full: bool = False) -> list[Case]:
     if full:
         return [Case(m, d, b) for b in BLOCK_SIZES for d in DTYPES for m in (*MODELS, *WIDE_MODELS)]
     cases = [Case(m, d, BLOCK_SIZE) for d in DTYPES for m in MODELS]
-    cases += [Case(m, "bf16", BLOCK_SIZE) for m in WIDE_MODELS]
+    cases += [Case(m, d, BLOCK_SIZE) for d in WIDE_DTYPES for m in WIDE_MODELS]
     cases += [Case(BLOCK_SIZE_MODEL, "bf16", b) for b in BLOCK_SIZES if b != BLOCK_SIZE]
     return cases
 

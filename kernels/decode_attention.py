@@ -19,6 +19,11 @@ compiles a variant of its own).
 
 The split count aims at two waves of programs on the device (its multiprocessor count, read from the
 device); the key tile, warps and stages come from the per-architecture table in kernels/decode_configs.py.
+
+Sliding windows and soft-capping are constexpr switches (WINDOW, SOFTCAP) as in prefill (see
+kernels/prefill_attention.py); the window size is a `do_not_specialize` int. With a window the split count is
+chosen for the window's keys (no more than the block table holds), and each sequence's segments cover only the key
+tiles of its window: the work per sequence stops growing once its context passes the window.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import triton
 
 from tritium.kernels.decode_configs import DecodeConfig, default_decode_config, tuned_decode_config
 from tritium.kernels.jit.decode_attention import decode_reduce_kernel, decode_split_kernel
+from tritium.kernels.scores import check_window_and_cap, score_scales
 from tritium.kernels.tiles import use_gpu_tiles
 
 MIN_ROWS = 16
@@ -80,15 +86,18 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     tiles: str = "auto",
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.decode_attention`. The split count is chosen for the block table's
-    width and the device's multiprocessors (no device sync) and each sequence spreads its own context over
-    the splits; `num_splits` overrides the choice (segments may then be shorter than MIN_KEYS_PER_SPLIT);
-    `tiles` picks the launch configuration (kernels/tiles.py), `config` overrides it (gpu-check's sweep).
-    `q` may be a strided view (rows of a fused qkv output)."""
+    width (or the window, if shorter) and the device's multiprocessors (no device sync) and each sequence
+    spreads its own context (its window's keys) over the splits; `num_splits` overrides the choice (segments
+    may then be shorter than MIN_KEYS_PER_SPLIT); `tiles` picks the launch configuration (kernels/tiles.py),
+    `config` overrides it (gpu-check's sweep). `q` may be a strided view (rows of a fused qkv output)."""
+    check_window_and_cap(sliding_window, softcap)
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -100,15 +109,19 @@ def decode_attention(
     rows = max(MIN_ROWS, triton.next_power_of_2(group))
     cfg = config or decode_config(head_dim, q.dtype, tiles, q.device)
     max_context = block_tables.shape[1] * page
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window)
     splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_context, cfg.block_n,
                                              multiprocessor_count(q.device))
     partial_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    scale_log2e, cap_in = score_scales(scale, softcap)
     decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, seq_lens, partial_out, partial_lse,
-        scale * 1.4426950408889634, MIN_KEYS_PER_SPLIT if num_splits is None else 1, num_heads, splits,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
+        scale_log2e, cap_in, sliding_window or 0, MIN_KEYS_PER_SPLIT if num_splits is None else 1, num_heads,
+        splits, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
         GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, PAGE=page,
+        WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,4 +1,5 @@
-"""Small fused Triton kernels: KV-cache write, RMSNorm (+ residual add), rotary embedding, SiLU-and-mul.
+"""Small fused Triton kernels: KV-cache write, RMSNorm (+ residual add), rotary embedding, SiLU-and-mul,
+GELU(tanh)-and-mul.
 
 Each program handles a tile of rows so the grid stays small; all math is in fp32 and results are cast
 back to the input dtype, as the torch references in `reference.py` do (the @triton.jit bodies are in
@@ -9,18 +10,26 @@ Specialization, so that an engine compiles every variant before serving (kernels
 while serving: the token/row counts (and rotary's head counts, which gain nothing) are
 `do_not_specialize`, else the JIT would compile again for a count of 1 or a multiple of 16. The sizes
 fixed for an engine keep the JIT's divisible-by-16 specialization where it gives vector loads and stores:
-`hidden` (rms_norm), `d` (silu_and_mul), the row strides (multiples of the hidden size, of head_dim or of
-the rotary dim) and the data pointers (fresh buffers, or views starting at multiples of head_dim). The
+`hidden` (rms_norm), `d` (silu_and_mul, gelu_tanh_and_mul), the row strides (multiples of the hidden size, of
+head_dim or of the rotary dim) and the data pointers (fresh buffers, or views starting at multiples of head_dim). The
 slot and position pointers may be views at any offset of a step's staging buffer: their alignment is not
 specialized.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 
-from tritium.kernels.jit.elementwise import rms_norm_kernel, rotary_kernel, silu_and_mul_kernel, store_kv_kernel
+from tritium.kernels.jit.elementwise import (
+    gelu_tanh_and_mul_kernel,
+    rms_norm_kernel,
+    rotary_kernel,
+    silu_and_mul_kernel,
+    store_kv_kernel,
+)
 from tritium.kernels.tiles import check_tiles
 
 
@@ -97,40 +106,42 @@ def rms_norm(
 
 
 def rotary_tokens(block_heads: int, half: int) -> int:
-    """Tokens per program: up to 2048 rotated pairs of q."""
-    return max(1, min(16, 2048 // (block_heads * half)))
+    """Tokens per program: up to 2048 rotated pairs of q (`half` padded to a power of two)."""
+    return max(1, min(16, 2048 // (block_heads * int(triton.next_power_of_2(half)))))
 
 
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, tiles: str = "auto"
 ) -> None:
     """Neox-style rotary embedding of `q` `[tokens, heads, d]` and `k` `[tokens, kv_heads, d]`, in place.
-    `cos_sin_cache` is `[max_position, rot_dim]` = cat(cos, sin); the first rot_dim features rotate.
-    `q` and `k` may be strided views (parts of a fused qkv output) with a contiguous last dim."""
+    `cos_sin_cache` is `[max_position, rot_dim]` = cat(cos, sin); the first rot_dim features rotate (any even
+    rot_dim: a half that is not a power of two is padded, masked). `q` and `k` may be strided views (parts of a
+    fused qkv output) with a contiguous last dim."""
     check_tiles(tiles)
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
     half = cos_sin_cache.shape[-1] // 2
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rotary_embedding needs the last dim contiguous"
-    assert half & (half - 1) == 0, "rotary dim must be a power of two"
+    assert cos_sin_cache.shape[-1] == 2 * half <= q.shape[-1], "rotary dim must be even and at most head_dim"
     block_qh = triton.next_power_of_2(q.shape[1])
     block_t = rotary_tokens(block_qh, half)
     rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
         q, k, positions, cos_sin_cache, num_tokens, q.shape[1], k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        HALF=half, BLOCK_T=block_t, BLOCK_QH=block_qh, BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_T=block_t, BLOCK_QH=block_qh,
+        BLOCK_KH=triton.next_power_of_2(k.shape[1]),
     )
 
 
-def silu_and_mul_tiles(d: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_D): up to 1024 columns and 4096 elements per program."""
+def act_and_mul_tiles(d: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D) of silu_and_mul and gelu_tanh_and_mul: up to 1024 columns and 4096 elements per
+    program."""
     block_d = min(1024, triton.next_power_of_2(d))
     return max(1, min(16, 4096 // block_d)), block_d
 
 
-def silu_and_mul(x: torch.Tensor, tiles: str = "auto") -> torch.Tensor:
-    """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
+def _act_and_mul(kernel: Any, x: torch.Tensor, tiles: str) -> torch.Tensor:
     check_tiles(tiles)
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
@@ -138,9 +149,19 @@ def silu_and_mul(x: torch.Tensor, tiles: str = "auto") -> torch.Tensor:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
-    block_r, block_d = silu_and_mul_tiles(d)
+    block_r, block_d = act_and_mul_tiles(d)
     if rows:
-        silu_and_mul_kernel[(triton.cdiv(rows, block_r), triton.cdiv(d, block_d))](
+        kernel[(triton.cdiv(rows, block_r), triton.cdiv(d, block_d))](
             x2, out, rows, d, x2.stride(0), BLOCK_R=block_r, BLOCK_D=block_d,
         )
     return out.view(*x.shape[:-1], d)
+
+
+def silu_and_mul(x: torch.Tensor, tiles: str = "auto") -> torch.Tensor:
+    """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
+    return _act_and_mul(silu_and_mul_kernel, x, tiles)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, tiles: str = "auto") -> torch.Tensor:
+    """`[..., 2*d] -> [..., d]`: gelu (tanh approximation) of the first half * second half."""
+    return _act_and_mul(gelu_tanh_and_mul_kernel, x, tiles)

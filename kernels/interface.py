@@ -23,14 +23,19 @@ class KernelOps(Protocol):
 
     def prefill_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float, max_query_len: int | None = None) -> torch.Tensor:
+                          scale: float, max_query_len: int | None = None, sliding_window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
         """Causal attention of packed query rows (sequence i: rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, the
-        last positions of a context of `seq_lens[i]` cached tokens). Returns q's shape and dtype."""
+        last positions of a context of `seq_lens[i]` cached tokens). Returns q's shape and dtype.
+        `sliding_window` W: a query at position p sees keys p - W < k <= p only; `softcap` c: scores (scaled)
+        become c * tanh(score / c) before the softmax."""
         ...
 
     def decode_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query row per sequence `[num_seqs, num_heads, head_dim]` against its whole paged context."""
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """One query row per sequence `[num_seqs, num_heads, head_dim]` against its paged context (its last
+        `sliding_window` keys when set); `softcap` as in prefill_attention."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -45,6 +50,10 @@ class KernelOps(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
+        ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., 2*d] -> [..., d]`: gelu (tanh approximation) of the first half * second half."""
         ...
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
@@ -84,4 +93,5 @@ class KernelOps(Protocol):
 
 
 OP_NAMES = ("store_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-            "apply_token_bitmask", "int8_gemm", "lora_shrink", "lora_expand", "lora_shrink_rows", "lora_expand_rows")
+            "gelu_tanh_and_mul", "apply_token_bitmask", "int8_gemm", "lora_shrink", "lora_expand", "lora_shrink_rows",
+            "lora_expand_rows")

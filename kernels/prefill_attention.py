@@ -19,6 +19,15 @@ buffer, so their alignment is not specialized (they are read by gathers and scal
 and output pointers (fresh buffers, q rows starting at multiples of head_dim, also inside a fused qkv
 output) and the q/out/cache strides (multiples of head_dim, fixed for an engine) keep the JIT's divisible-by-16
 specialization, which gives vector loads and stores of the q, K, V and output rows.
+
+Sliding windows and soft-capping are constexpr switches (WINDOW, SOFTCAP), so a model without them compiles the
+kernel it always did; an engine compiles at most one variant per (window?, softcap?) pair its layers use. The
+window size is a runtime int (`do_not_specialize`: one binary for any size) and the cap a runtime float (the JIT
+never specializes floats). With a window, a query tile visits only the key tiles that hold a key of some row's
+window: those wholly before it are skipped (the work per tile is bounded by the window, not the context), those
+that hold a window's start are masked, the rest as without a window. The cap is applied to the scaled scores
+before the online softmax, which works in the exp2 domain: c * tanh(s * scale / c) * log2(e), so the kernel takes
+scale / c and c * log2(e) in place of scale * log2(e).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 import triton
 
 from tritium.kernels.jit.prefill_attention import prefill_attention_kernel
+from tritium.kernels.scores import check_window_and_cap, score_scales
 from tritium.kernels.tiles import use_gpu_tiles
 
 
@@ -62,12 +72,15 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     tiles: str = "auto",
 ) -> torch.Tensor:
     """Same contract as `reference.prefill_attention`. `max_query_len` (the longest query run) sizes
     the grid; when omitted it is read from `cu_seqlens_q` (one device sync: the engine always passes it).
     `tiles` picks the launch configuration (kernels/tiles.py). `q` may be a strided view (rows of a
     fused qkv output)."""
+    check_window_and_cap(sliding_window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
@@ -81,11 +94,13 @@ def prefill_attention(
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     cfg = prefill_config(head_dim, q.dtype, tiles, q.device)
     grid = (triton.cdiv(max_query_len * group, cfg.block_m), num_seqs, num_kv_heads)
+    scale_log2e, cap_in = score_scales(scale, softcap)
     prefill_attention_kernel[grid](
         q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale_log2e, cap_in, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page,
+        WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

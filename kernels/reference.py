@@ -49,13 +49,16 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query rows against their paged contexts.
 
     Sequence i owns rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]` of `q` `[num_tokens, num_heads, head_dim]`;
     they are the last positions of a context of `seq_lens[i]` tokens whose K/V are already cached.
-    Returns `[num_tokens, num_heads, head_dim]` in `q`'s dtype. `max_query_len` (the longest run of
-    query rows) is only a launch hint for the Triton kernel; the reference ignores it.
+    Returns `[num_tokens, num_heads, head_dim]` in `q`'s dtype. `max_query_len` is only a launch hint for the
+    Triton kernel. A query at position p sees keys p - sliding_window < k <= p; `softcap` caps the scaled scores
+    (c * tanh(s / c)).
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -76,15 +79,35 @@ def prefill_attention(
             group = num_heads // num_kv_heads
             ki = ki.repeat_interleave(group, dim=0)
             vi = vi.repeat_interleave(group, dim=0)
-        if num_q == context_len:
+        if num_q == context_len and sliding_window is None and softcap is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
         else:
-            # Query row j sits at position context_len - num_q + j and sees keys 0..that position.
+            # Query row j sits at position context_len - num_q + j.
             q_pos = torch.arange(context_len - num_q, context_len, device=q.device)
-            mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            mask = visible_keys(q_pos, context_len, sliding_window)
+            o = _attention(qi, ki, vi, mask, scale, softcap)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def visible_keys(q_pos: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
+    """`[len(q_pos), context_len]` bool: key k is visible from position p when k <= p (and p - W < k)."""
+    keys = torch.arange(context_len, device=q_pos.device)[None, :]
+    mask = keys <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= keys > q_pos[:, None] - sliding_window
+    return mask
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+    """Masked attention of `[heads, rows, d]` queries; with `softcap` the scores are capped before the softmax."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (probs @ v.float()).to(q.dtype)
 
 
 def decode_attention(
@@ -94,8 +117,11 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query row per sequence `[num_seqs, num_heads, head_dim]` against its whole paged context.
+    """One query row per sequence `[num_seqs, num_heads, head_dim]` against its paged context (the last
+    `sliding_window` keys when set, reading only the blocks that hold them; `softcap` as in prefill_attention).
 
     Returns `[num_seqs, num_heads, head_dim]` in `q`'s dtype. Computes in fp32.
     """
@@ -103,17 +129,31 @@ def decode_attention(
     if num_seqs == 0:
         return torch.empty_like(q)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    lens = seq_lens.to(q.device).long()
+    max_blocks = (int(lens.max()) + block_size - 1) // block_size
+    first = torch.zeros_like(lens)  # each sequence's first block read: with a window, the one holding its start
+    if sliding_window is not None:
+        first = (lens - sliding_window).clamp(min=0) // block_size
+        max_blocks = min(max_blocks, (sliding_window - 1) // block_size + 2)
     ctx = max_blocks * block_size
-    blocks = block_tables[:, :max_blocks].reshape(-1).long()
+    index = (first[:, None] + torch.arange(max_blocks, device=q.device)).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables.to(q.device).gather(1, index).reshape(-1).long()
     # One gather per cache; the [seq, kv_head, pos, d] views feed one SDPA call for all heads (GQA in the op):
     # 1.2-1.5x faster on a CPU than a baddbmm / softmax / bmm per KV head.
     k = key_cache.index_select(0, blocks).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2).float()
     v = value_cache.index_select(0, blocks).view(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2).float()
-    visible = torch.arange(ctx, device=q.device)[None, None, None, :] < seq_lens.to(q.device)[:, None, None, None]
-    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v, attn_mask=visible, scale=scale,
-                                         enable_gqa=num_kv_heads != num_heads)
-    return out.squeeze(2).to(q.dtype)
+    keys = (first[:, None] * block_size + torch.arange(ctx, device=q.device))[:, None, None, :]
+    lens = lens[:, None, None, None]
+    visible = keys < lens
+    if sliding_window is not None:
+        visible &= keys >= lens - sliding_window
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v, attn_mask=visible, scale=scale,
+                                             enable_gqa=num_kv_heads != num_heads)
+        return out.squeeze(2).to(q.dtype)
+    group = num_heads // num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return _attention(q.float().unsqueeze(2), k, v, visible, scale, softcap).squeeze(2).to(q.dtype)
 
 
 def rms_norm(
@@ -167,6 +207,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`[..., 2*d] -> [..., d]`: silu(first half) * second half."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]).mul_(x[..., d:])
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`[..., 2*d] -> [..., d]`: gelu (tanh approximation) of the first half * second half."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])
 
 
 _SAME_SIZE_INT = {4: torch.int32, 2: torch.int16}

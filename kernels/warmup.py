@@ -11,7 +11,10 @@ int32 or int64 (the contract takes both), so both variants are built. An int8-qu
 (`EngineShape.quantization`) also builds the W8A16 GEMM at its projections' sizes (`int8_gemm_calls`); a LoRA
 engine (`EngineShape.lora_rank`) the LoRA shrink / expand at each target module's sizes (`lora_calls`; the decode
 graphs' per-row form is also built by their capture).
-`tritium.kernels.compile_check` compiles exactly these calls for sm_80/sm_90.
+The attention kernels are launched once per attention kind the layers use (`EngineShape.windows`: full and / or
+a sliding window; each with the engine's soft cap, if any), the MLP's activation is the engine's
+(`EngineShape.activation`), and a model that norms q and k per head (`EngineShape.qk_norm`) also builds RMSNorm at
+head_dim. `tritium.kernels.compile_check` compiles exactly these calls for sm_80/sm_90.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ class OpCall:
 @dataclass(frozen=True)
 class EngineShape:
     """What an engine's kernel launches specialize on: its model's shape, dtype, block size, the width of its
-    block tables, its device, the dtype of the positions and slots it passes, and its vocabulary size (the
-    logits' width; the default is SmolLM2's, the default model's)."""
+    block tables, its device, the dtype of the positions and slots it passes, its vocabulary size (the
+    logits' width; the default is SmolLM2's, the default model's), and the attention, MLP and norm variants its
+    layers use."""
 
     num_heads: int
     num_kv_heads: int
@@ -54,12 +58,17 @@ class EngineShape:
     vocab_size: int = 49152
     quantization: str | None = None  # "int8": the W8A16 GEMM of every linear layer and the logits head
     lora_rank: int | None = None  # max_lora_rank of a LoRA engine: the shrink / expand kernels
+    windows: tuple[int | None, ...] = (None,)  # each layer's sliding window, once each (None: full attention)
+    softcap: float | None = None  # the attention logits' soft cap (every layer's)
+    activation: str = "silu_and_mul"  # the MLP's op: "silu_and_mul" or "gelu_tanh_and_mul"
+    qk_norm: bool = False  # RMSNorm over each head of q and k (rows of head_dim)
 
 
 def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT_CHOICES) -> list[OpCall]:
-    """The op calls `warm_up` makes: each op once (rms_norm with and without residual, apply_token_bitmask
-    with int32 and int64 rows, decode_attention once per entry of `split_choices`, None meaning the
-    automatic choice), on small dummy tensors."""
+    """The op calls `warm_up` makes: each op once (rms_norm with and without residual, and at head_dim for a
+    qk-norm model; apply_token_bitmask with int32 and int64 rows; the attention ops once per entry of
+    `shape.windows`, decode_attention once per entry of `split_choices` for each, None meaning the automatic
+    choice), on small dummy tensors."""
     num_heads, num_kv_heads, head_dim, dtype = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     tokens = 2
     dev = torch.device(shape.device)
@@ -81,24 +90,30 @@ def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT
     scale = head_dim**-0.5
     logits = torch.zeros(tokens, shape.vocab_size, dtype=torch.float32, device=dev)
     bitmask = torch.full((1, -(-shape.vocab_size // 32)), -1, dtype=torch.int32, device=dev)  # all allowed
+    attention = [{"sliding_window": window, "softcap": shape.softcap} for window in shape.windows]
     calls = [
         OpCall("rms_norm", (x, weight, 1e-6)),
         OpCall("rms_norm", (x, weight, 1e-6, x.clone())),
         OpCall("rotary_embedding", (q, k, positions, cos_sin_cache)),
         OpCall("store_kv", (k, v, key_cache, value_cache, slot_mapping)),
-        OpCall("prefill_attention", (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, tokens)),
-        OpCall("silu_and_mul", (torch.zeros(tokens, 2 * shape.intermediate_size, dtype=dtype, device=dev),)),
+        *(OpCall("prefill_attention", (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                       tokens), kinds) for kinds in attention),
+        OpCall(shape.activation, (torch.zeros(tokens, 2 * shape.intermediate_size, dtype=dtype, device=dev),)),
         *(OpCall("apply_token_bitmask", (logits, bitmask, torch.zeros(1, dtype=rows_dtype, device=dev)))
           for rows_dtype in (torch.int32, torch.int64)),
     ]
+    if shape.qk_norm:
+        calls.append(OpCall("rms_norm", (torch.zeros(tokens * num_heads, head_dim, dtype=dtype, device=dev),
+                                         torch.ones(head_dim, dtype=dtype, device=dev), 1e-6)))
     if shape.quantization == "int8":
         calls += int8_gemm_calls(shape)
     if shape.lora_rank is not None:
         calls += lora_calls(shape, shape.lora_rank)
-    for splits in split_choices:
-        kwargs = {} if splits is None else {"num_splits": splits}
-        calls.append(OpCall("decode_attention", (q[:1], key_cache, value_cache, block_tables, seq_lens[:1], scale),
-                            kwargs))
+    for kinds in attention:
+        for splits in split_choices:
+            kwargs = kinds if splits is None else {**kinds, "num_splits": splits}
+            calls.append(OpCall("decode_attention", (q[:1], key_cache, value_cache, block_tables, seq_lens[:1],
+                                                     scale), kwargs))
     return calls
 
 

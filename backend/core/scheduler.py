@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from tritium.backend.core.batch import ScheduledSequence, SchedulerOutput
 from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.rotary_rule import RotaryLengthRule
 from tritium.backend.core.sequence import Sequence, SequenceStatus
 from tritium.backend.core.stop_checker import StopChecker
 from tritium.backend.core.waiting_queue import make_waiting_queue, outranks, priority_key
@@ -28,6 +29,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         num_lookahead_tokens: int = 0,
         max_model_len: int | None = None,
+        rotary_rule: RotaryLengthRule | None = None,
     ) -> None:
         self.blocks = block_manager
         self.stop_checker = stop_checker or StopChecker([])
@@ -44,6 +46,8 @@ class Scheduler:
         self.clock = clock  # stamps each sequence's arrival_time, from which its priority ages
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.rotary_rule = rotary_rule
+        self.num_recomputes = 0  # sequences recomputed under a new rotary key (rotary_rule.py)
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_time = self.clock()
@@ -60,6 +64,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.rotary_rule is not None and self.rotary_rule.must_recompute(seq):
+                self._recompute(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             draft = self._take_draft(seq, num_new, budget)
             num_new += len(draft)
@@ -80,6 +86,8 @@ class Scheduler:
                 starved = starved or now - seq.arrival_time >= self.priority_aging_s
                 continue
             if seq.num_computed_tokens == 0:
+                if self.rotary_rule is not None:
+                    seq.kv_key = self.rotary_rule.kv_key(seq)
                 seq.num_cached_tokens = self.blocks.match_prefix(seq)
             num_new = seq.num_tokens - seq.num_computed_tokens
             if num_new > budget and not self.enable_chunked_prefill:
@@ -171,7 +179,8 @@ class Scheduler:
 
     def _take_draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
         """The drafts `seq` verifies now: only when it decodes, within the budget, with blocks ([]: plain decode)."""
-        draft, seq.draft_tokens = seq.draft_tokens[: budget - 1], []
+        room = self.rotary_rule.draft_room(seq) if self.rotary_rule is not None else None
+        draft, seq.draft_tokens = seq.draft_tokens[: budget - 1 if room is None else min(budget - 1, room)], []
         if num_new != 1 or not draft or not self.blocks.allocate(seq, 1 + len(draft)):
             return []
         return draft
@@ -230,6 +239,15 @@ class Scheduler:
             assert self.lora is not None
             self.lora.release(seq.lora)
             seq.lora_slot = -1
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Compute `seq`'s K/V again under its new rotary key, keeping its place (its old blocks stay cached)."""
+        assert self.rotary_rule is not None
+        seq.draft_tokens = []
+        self.blocks.free_sequence(seq)
+        seq.kv_key = self.rotary_rule.kv_key(seq)
+        self.blocks.match_prefix(seq)
+        self.num_recomputes += 1
 
     def _preempt(self, seq: Sequence) -> None:
         seq.draft_tokens = []

@@ -43,6 +43,7 @@ class Sequence:
     draft_tokens: list[int] = field(default_factory=list)  # the worker's drafts for its next step
     priority: int = 0  # lower runs first under the "priority" scheduling policy (waiting_queue.py)
     arrival_time: float = 0.0  # the scheduler's clock when it was queued (its priority ages from then)
+    kv_key: bytes = b""  # what its K/V depend on besides its tokens and adapter (core/rotary_rule.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -51,8 +52,8 @@ class Sequence:
 
     @property
     def cache_key(self) -> bytes:
-        """The parent of its first block's hash: b"" for the base model, else the adapter's content hash."""
-        return self.lora.content_hash if self.lora is not None else b""
+        """The parent of its first block's hash: the adapter's content hash (b"" for the base model), then `kv_key`."""
+        return (self.lora.content_hash if self.lora is not None else b"") + self.kv_key
 
     @property
     def num_tokens(self) -> int:

@@ -17,3 +17,14 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """`[..., 2 * d]` -> `[..., d]`: gelu(gate, tanh approximation) * up."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.gelu_tanh_and_mul(x)

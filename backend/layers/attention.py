@@ -39,38 +39,33 @@ class AttentionBackend:
         self.rms_norm = ops.rms_norm
         self.rotary_embedding = ops.rotary_embedding
         self.silu_and_mul = ops.silu_and_mul
+        self.gelu_tanh_and_mul = ops.gelu_tanh_and_mul
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
         """Store this step's K/V, then attend. q: [tokens, heads, d] -> same shape."""
         self.ops.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
-            return self.ops.decode_attention(
-                q, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
-            )
+            return self._decode(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
         if nd == 0:
-            return self.ops.prefill_attention(
-                q, key_cache, value_cache, meta.prefill_block_tables,
-                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, meta.prefill_max_query_len,
-            )
+            return self._prefill(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
         out = torch.empty_like(q)
-        out[:nd] = self.ops.decode_attention(
-            q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
-        )
-        out[nd:] = self.ops.prefill_attention(
-            q[nd:], key_cache, value_cache, meta.prefill_block_tables,
-            meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, meta.prefill_max_query_len,
-        )
+        out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale, sliding_window, softcap)
+        out[nd:] = self._prefill(q[nd:], key_cache, value_cache, meta, scale, sliding_window, softcap)
         return out
+
+    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        return self.ops.decode_attention(q, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                         scale, sliding_window, softcap)
+
+    def _prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        return self.ops.prefill_attention(q, key_cache, value_cache, meta.prefill_block_tables,
+                                          meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
+                                          meta.prefill_max_query_len, sliding_window, softcap)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -109,13 +104,19 @@ def check_attention_backend(config: ModelConfig, backend: str) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: AttentionBackend) -> None:
+    """One layer's attention over its paged cache; `sliding_window` W: each query sees its last W keys;
+    `softcap`: scores capped by c * tanh(s / c)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend,
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.backend.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                      self.softcap)

@@ -1,26 +1,27 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch: a step's tokens packed in one row,
-Q/K/V and gate/up fused, a step's `LoraBatch` adding the adapters' deltas to the projections' outputs."""
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, SmolLM) in plain torch: a step's tokens
+packed in one row, Q/K/V and gate/up fused, a step's `LoraBatch` adding the adapters' deltas to the projections'
+outputs. The config switches on what a family adds: Qwen3's per-head q/k norms, Phi's partial rotary, sliding
+windows; the subclasses only name their checkpoints' tensors."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from tritium.backend.layers.activation import SiluAndMul
+from tritium.backend.layers.activation import GeluTanhAndMul, SiluAndMul
 from tritium.backend.layers.attention import (
     Attention,
     AttentionBackend,
     AttentionMetadata,
     KVCache,
-    get_attention_backend,
 )
-from tritium.backend.layers.linear import CpuPackedLinear
 from tritium.backend.layers.norm import RMSNorm
 from tritium.backend.layers.rotary import RotaryEmbedding
 from tritium.backend.lora.weights import LoraBatch
 from tritium.backend.model_config import ModelConfig
-
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+from tritium.backend.models.base import CausalLM
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -36,17 +37,31 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, backend)
+        # Qwen3, Gemma 3: each head's q and k RMS-normed (weights of head_dim) before rotary
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, backend) if config.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, backend)
-        self.act = SiluAndMul(backend)
+        scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
+        self.attn = Attention(heads, kv_heads, head_dim, scale, backend, config.window_of(index),
+                              config.attn_logit_softcapping)
+        self.act = SiluAndMul(backend) if config.hidden_act in ("silu", "swish") else GeluTanhAndMul(backend)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata, lora: LoraBatch | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_norm(hidden, residual)
+        x, residual = self.post_attention_layernorm.add(self.attention(x, positions, kv_cache, meta, lora), residual)
+        return self.mlp(x, lora), residual
+
+    def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed input, the residual stream): the first layer's residual is its input."""
         if residual is None:
-            residual, x = hidden, self.input_layernorm(hidden)
-        else:
-            x, residual = self.input_layernorm.add(hidden, residual)
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm.add(hidden, residual)
+
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                  lora: LoraBatch | None) -> torch.Tensor:
+        """The attention block on the normed `x`, through o_proj."""
         qkv = self.qkv_proj(x)
         if lora is not None:
             lora.apply(self.index, "qkv_proj", x, qkv)
@@ -55,44 +70,39 @@ class LlamaDecoderLayer(nn.Module):
         q = qkv[:, : self.q_size].view(n, attn.num_heads, attn.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, attn.num_kv_heads, attn.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # new tensors, which rotary rotates in place
         self.rotary(q, k, positions)
         out = attn(q, k, v, kv_cache, meta).reshape(n, self.q_size)
-        hidden = self.o_proj(out)
+        hidden: torch.Tensor = self.o_proj(out)
         if lora is not None:
             lora.apply(self.index, "o_proj", out, hidden)
-        x, residual = self.post_attention_layernorm.add(hidden, residual)
+        return hidden
+
+    def mlp(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """The gated MLP on the normed `x`."""
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(self.index, "gate_up_proj", x, gate_up)
         act = self.act(gate_up)
-        hidden = self.down_proj(act)
+        hidden: torch.Tensor = self.down_proj(act)
         if lora is not None:
             lora.apply(self.index, "down_proj", act, hidden)
-        return hidden, residual
+        return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    quantization: str | None = None  # "int8" or "int4" once quantize_model (quantization.py) has run
-
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None,
                  max_positions: int | None = None) -> None:
-        """`backend`: the kernels every layer calls (None: the torch references)."""
-        super().__init__()
-        backend = backend or get_attention_backend("torch", torch.device("cpu"))
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                                      max_positions or config.max_position_embeddings, backend)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.rotary, backend)
-                                    for i in range(config.num_hidden_layers))
+        super().__init__(config, backend, max_positions)
+        backend = self.backend
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)  # the first features of each head rotate
+        self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling, self.max_positions, backend)
+        self.layers.extend(LlamaDecoderLayer(config, i, self.rotary, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
-        self.packed_lm_head: nn.Module | None = None  # CpuPackedLinear, or an Int8Linear / Int4Linear (quantization.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
-        """Hidden states `[num_tokens, hidden]` after the final norm; `lora`: the step's adapter rows, if any."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -100,22 +110,26 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         return self.norm.add(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[rows, vocab]` for the given hidden rows."""
-        if self.packed_lm_head is not None:
-            logits: torch.Tensor = self.packed_lm_head(hidden)
-            return logits.float()
-        return torch.nn.functional.linear(hidden, self.head_weight).float()
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [self.rotary]
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        """The logits projection's weight (the embedding's when tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_for_cpu(self) -> None:
-        """Swap every projection and the logits head for a CpuPackedLinear (CPU only; see cpu_packing_available)."""
-        for layer in self.layers:
-            for name in PROJECTIONS:
-                linear = getattr(layer, name)
-                setattr(layer, name, CpuPackedLinear(linear.weight, linear.bias))
-        self.packed_lm_head = CpuPackedLinear(self.head_weight, None)
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with q_norm / k_norm (its config sets qk_norm)."""
+
+    LAYER_WEIGHTS: ClassVar[dict[str, str]] = {
+        **LlamaForCausalLM.LAYER_WEIGHTS,
+        "self_attn.q_norm.weight": "q_norm.weight",
+        "self_attn.k_norm.weight": "k_norm.weight",
+    }
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4: Llama whose checkpoints hold q/k/v and gate/up already fused, in our order."""
+
+    LAYER_WEIGHTS: ClassVar[dict[str, str]] = {
+        **LlamaForCausalLM.LAYER_WEIGHTS,
+        "self_attn.qkv_proj.weight": "qkv_proj.weight",
+        "mlp.gate_up_proj.weight": "gate_up_proj.weight",
+    }
+    FUSED_WEIGHTS: ClassVar[dict[str, tuple[str, int]]] = {}

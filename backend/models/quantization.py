@@ -11,7 +11,7 @@ from torch import nn
 from tritium.backend.config import check_quantization, check_quantization_device
 from tritium.backend.layers.int4_linear import GROUP_SIZE, Int4Linear
 from tritium.backend.layers.int8_linear import Int8Linear
-from tritium.backend.models.llama import PROJECTIONS, LlamaForCausalLM
+from tritium.backend.models.base import PROJECTIONS, CausalLM
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def _linear(scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, path: 
     return Int8Linear(weight, bias, out_dtype, path)
 
 
-def quantize_model(model: LlamaForCausalLM, scheme: str, options: QuantizationOptions | None = None) -> None:
+def quantize_model(model: CausalLM, scheme: str, options: QuantizationOptions | None = None) -> None:
     """Quantize `model` in place, its logits head in HEAD_SCHEMES[scheme]. Raises ValueError naming a scheme unknown
     or not for this device, or a projection that is not a plain nn.Linear (e.g. already packed)."""
     check_quantization(scheme)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tritium.backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from tritium.backend.models.llama import LlamaForCausalLM
+from tritium.backend.models.base import CausalLM
 from tritium.backend.worker.memory_budget import (
     MemoryPlan,
     check_fits_one_sequence,
@@ -25,7 +25,7 @@ class KvSizing:
     plan: MemoryPlan | None
 
 
-def num_kv_blocks(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+def num_kv_blocks(config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,
                   max_model_len: int, largest_graph_bucket: int = 0, resident_bytes: int = 0,
                   planned_block_bytes: int = 0, logit_rows: int | None = None) -> KvSizing:
     """KV blocks (docs/operating.md, "GPU memory"); `resident_bytes` count as weights, and on CUDA each block

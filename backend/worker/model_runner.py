@@ -12,10 +12,11 @@ import torch
 
 from tritium.backend.core.batch import ScheduledSequence
 from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.layers.rotary import RopeChunk, length_dependent_rotary
 from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups, segment_arrays
 from tritium.backend.lora.weights import LoraBatch, LoraStacks
 from tritium.backend.lora.windows import LoraWindows, plan_windows
-from tritium.backend.models.llama import LlamaForCausalLM
+from tritium.backend.models.base import CausalLM
 from tritium.backend.worker.block_tables import DeviceBlockTables
 from tritium.backend.worker.decode_graphs import DecodeGraphs
 from tritium.backend.worker.staging import StagingBuffer
@@ -68,6 +69,7 @@ class HostStep:
     update_value: list[int] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # per row when a row has an adapter: its slot, -1 for base
     lora_windows: LoraWindows | None = None  # the decode rows' windows (lora/windows.py), when laid out so
+    rope_chunks: list[RopeChunk] = field(default_factory=list)  # rotary rows the step computes (layers/rotary.py)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class PreparedStep:
     lora_seg_slots: slice | None = None
     lora_row_slots: slice | None = None  # a LoRA decode graph's step: each padded row's slot (-1: none)
     lora_windows: LoraWindows | None = None  # the torch form's eager steps: the decode rows' windows
+    rope_chunks: list[RopeChunk] = field(default_factory=list)  # rotary rows to write before the forward pass
 
 
 class ModelRunner:
@@ -105,7 +108,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         num_blocks: int,
         block_size: int,
@@ -131,6 +134,8 @@ class ModelRunner:
         self.block_tables = DeviceBlockTables(max_num_seqs, -(-max_model_len // block_size), device)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        # longrope / dynamic NTK: positions are staged as the rotary's rows, which depend on the prompt's length
+        self.rope = length_dependent_rotary(model.rotaries())
         self.staging = staging
         self.graphs = graphs
         # the torch form lays eager decode rows out by adapter; its CPU kernel runs fp32 (built once per machine)
@@ -152,12 +157,14 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(len(decode)) if graphable else None
         if self.windowed_decode and bucket is None:
             decode = self._windowed(decode, host)
+        rope = self.rope
         for s in decode:
             seq = s.seq
             pos = seq.num_computed_tokens
             last_row[id(s)] = len(host.input_ids)
             host.input_ids.append(seq.token_ids[pos])
-            host.positions.append(pos)
+            host.positions.append(pos if rope is None else rope.rows(pos, pos + 1, seq.num_prompt_tokens,
+                                                                     seq.num_tokens, host.rope_chunks)[0])
             host.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
             host.decode_rows.append(tables.row(seq))
             host.decode_seq_lens.append(pos + 1)
@@ -172,7 +179,9 @@ class ModelRunner:
             table = seq.block_table
             host.input_ids.extend(seq.token_ids[start : end - len(s.draft)])
             host.input_ids.extend(s.draft)  # a verification step: the drafts after the last token
-            host.positions.extend(range(start, end))
+            host.positions.extend(range(start, end) if rope is None else
+                                  rope.rows(start, end, seq.num_prompt_tokens, seq.num_tokens,
+                                            host.rope_chunks))
             host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[id(s)] = len(host.input_ids) - 1
             host.prefill_rows.append(tables.row(seq))
@@ -230,6 +239,7 @@ class ModelRunner:
         )
         step.lora_row_slots = row_slots
         step.lora_windows = host.lora_windows
+        step.rope_chunks = host.rope_chunks
         grouped = host.lora_slots
         if host.lora_windows is not None:  # the windows take the decode rows: the prefill rows left to group
             grouped = [-1] * len(host.decode_rows) + host.lora_slots[len(host.decode_rows) :]
@@ -279,6 +289,9 @@ class ModelRunner:
         """fp32 logits, a row per sampling sequence (and per verified draft), scheduled order. Needs the upload."""
         st = self.staging
         self.block_tables.apply(st.ints(step.update_index), st.ints(step.update_value))
+        if step.rope_chunks:
+            assert self.rope is not None
+            self.rope.fill(step.rope_chunks)
         if step.bucket is not None:
             hidden = self.graphs.run(step.bucket, lambda: self.forward(step), lora=step.lora_row_slots is not None)
         else:
@@ -291,13 +304,19 @@ class ModelRunner:
     def warm_up(self, max_prefill_tokens: int) -> float:
         """Launch every kernel variant and step shape, capturing the graphs, so nothing compiles later; seconds."""
         t0 = time.perf_counter()
+        if self.rope is not None:  # a step's prompt tokens, at most max_prefill_tokens or one whole prompt
+            self.rope.reserve(max(max_prefill_tokens, self.max_model_len))
         if self.backend.name == "triton":  # every kernel variant, each decode split count included
             c = self.model.config
+            windows = sorted({c.window_of(i) for i in range(c.num_hidden_layers)}, key=lambda w: w or 0)
             shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
-                                c.intermediate_size, self.model.rotary.cos_sin_cache.shape[-1], self.block_size,
+                                c.intermediate_size, self.model.rotaries()[0].cos_sin_cache.shape[-1], self.block_size,
                                 self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32,
                                 vocab_size=c.vocab_size, quantization=getattr(self.model, "quantization", None),
-                                lora_rank=self.lora_stacks.max_rank if self.lora_stacks is not None else None)
+                                lora_rank=self.lora_stacks.max_rank if self.lora_stacks is not None else None,
+                                windows=tuple(windows), softcap=c.attn_logit_softcapping,
+                                activation="silu_and_mul" if c.hidden_act in ("silu", "swish") else "gelu_tanh_and_mul",
+                                qk_norm=c.qk_norm)
             warm_up_kernels(self.backend.ops, shape)
         for prefill in warm_up_prefills(max_prefill_tokens, self.max_model_len, self.max_num_seqs,
                                         self.device.type == "cuda"):

@@ -70,6 +70,8 @@ class WorkerInfo:
     threads: ThreadChoice | None  # a CPU engine's intra-op threads and why
     memory_plan: MemoryPlan | None  # on CUDA without kv_cache_bytes: what the device share is spent on
     lora_stacks: LoraStacks | None  # the adapter slots on the device (the engine's LoraManager writes them)
+    # (rope type, original context) of a rotary whose rotation depends on a sequence's length within max_model_len
+    length_dependent_rope: tuple[str, int] | None
 
 
 class Worker:
@@ -116,8 +118,10 @@ class Worker:
             self.proposer = DraftProposer(spec, max_model_len, config.block_size, self.structured.draft_prefix,
                                           drafter)
         warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
+        rope = self.runner.rope
+        rule = (rope.kind, rope.original) if rope is not None and max_model_len > rope.original else None
         self.info = WorkerInfo(device, dtype, model.config, max_model_len, sizing.num_blocks, backend.name, buckets,
-                               warm_up_s, threads, sizing.plan, stacks)
+                               warm_up_s, threads, sizing.plan, stacks, rule)
 
     def add_request(self, request_id: str, params: SamplingParams, matcher: llguidance.LLMatcher | None) -> None:
         """`matcher` None: compiled here. Raises ValueError, holding nothing of the request, when its

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from tritium.backend.layers.attention import AttentionMetadata
-from tritium.backend.models.llama import LlamaForCausalLM
+from tritium.backend.models.base import CausalLM
 from tritium.backend.models.loader import load_model
 from tritium.backend.models.quantization import QuantizationOptions
 from tritium.backend.tokenizer import Tokenizer
@@ -96,7 +96,7 @@ def greedy_tokens(llm: object, max_tokens: int = 32, prompts: tuple[str, ...] = 
 
 
 @torch.inference_mode()
-def sequence_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+def sequence_logits(model: CausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """fp32 logits `[len(token_ids), vocab]` of one sequence in one prefill (torch reference kernels, CPU)."""
     config = model.config
     device = model.embed_tokens.weight.device
@@ -120,7 +120,7 @@ def sequence_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: i
     return model.compute_logits(hidden).float()
 
 
-def perplexity(model: LlamaForCausalLM, token_ids: list[int]) -> float:
+def perplexity(model: CausalLM, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood of token i+1 given tokens 0..i) over the sequence."""
     logits = sequence_logits(model, token_ids)[:-1]
     targets = torch.tensor(token_ids[1:], dtype=torch.long, device=logits.device)
@@ -138,7 +138,7 @@ def text_perplexity(folder: str | Path, quantization: str | None, text: str = TE
     return perplexity(model, ids)
 
 
-def model_greedy_tokens(model: LlamaForCausalLM, folder: str | Path, max_tokens: int = 32,
+def model_greedy_tokens(model: CausalLM, folder: str | Path, max_tokens: int = 32,
                         prompts: tuple[str, ...] = PROMPTS) -> list[list[int]]:
     """Greedy token ids for every prompt from `model` alone, one prefill per token (no engine, no EOS)."""
     tokenizer = Tokenizer(Path(folder))

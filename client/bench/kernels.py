@@ -1,7 +1,9 @@
 """Kernel benchmark (CUDA): prefill TFLOP/s next to torch SDPA (flash), decode GB/s next to a device-to-device
 copy measured on the same GPU (and the data sheet's peak) and to a torch paged-gather baseline; then a sweep of
 decode attention's key tile, warps and stages at the largest decode shape of each head_dim, whose winners
-are printed as the line to paste into kernels/decode_configs.py. Writes `kernels.json` and `kernels.png`.
+are printed as the line to paste into kernels/decode_configs.py; and decode with a 4k sliding window over contexts
+of 4k to 32k next to full attention (the windowed time should stay flat past the window: the kernel reads only the
+window's keys). Writes `kernels.json` and `kernels.png`.
 
 `--smoke` runs tiny shapes on the CPU (TRITON_INTERPRET=1) to check the script itself; its numbers
 mean nothing.
@@ -34,6 +36,9 @@ COPY_REPEATS = 10
 SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64, 128), (4, 8), (1, 2, 3)
 SWEEP_BUDGET_S = 45.0
 SMOKE_SWEEP = [DecodeConfig(16, 4, 2), DecodeConfig(32, 4, 1)]
+# Windowed decode: (head_dim, batch, window, contexts), a Gemma-2-like 4k window at head_dim 128.
+WINDOW_DECODE = (128, 8, 4096, (4096, 8192, 16384, 32768))
+SMOKE_WINDOW_DECODE = (64, 1, 32, (32, 64))
 
 
 @dataclass
@@ -57,6 +62,18 @@ class DecodePoint:
     tritium_gbs: float
     torch_gather_gbs: float
     peak_gbs: float | None
+
+
+@dataclass
+class WindowPoint:
+    """Decode with a sliding window at one context: milliseconds per call with the window and without it."""
+
+    head_dim: int
+    batch: int
+    window: int
+    context: int
+    window_ms: float
+    full_ms: float
 
 
 @dataclass
@@ -89,6 +106,7 @@ class KernelMeasurements:
     decode_sweep: list[SweepPoint] = field(default_factory=list)
     decode_best: dict[int, SweepPoint] = field(default_factory=dict)  # by head_dim
     decode_table_entry: str | None = None  # the winners as a line of kernels/decode_configs.py's TUNED
+    decode_window: list[WindowPoint] = field(default_factory=list)  # WINDOW_DECODE's contexts
 
 
 def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
@@ -234,11 +252,23 @@ def bench_decode(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch
     return DecodePoint(head_dim, batch, context, kv_bytes / ms / 1e6, kv_bytes / base_ms / 1e6, peak)
 
 
+def bench_decode_window(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch: int, context: int,
+                        window: int, smoke: bool) -> WindowPoint:
+    """Time `ops.decode_attention` with a `window`-key sliding window and without one on `batch` sequences of
+    `context` cached tokens."""
+    q, k_cache, v_cache, table, lens, scale = decode_inputs(device, dtype, head_dim, batch, context, smoke)
+    window_ms = _time_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale, window), smoke)
+    full_ms = _time_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
+    return WindowPoint(head_dim, batch, window, context, window_ms, full_ms)
+
+
 def plot(prefill: list[PrefillPoint], decode: list[DecodePoint], path: Path, title: str,
-         copy_gbs: float | None = None) -> None:
-    """Prefill TFLOP/s against sequence length; decode GB/s against batch, next to the copy and the peak."""
+         copy_gbs: float | None = None, window: list[WindowPoint] | None = None) -> None:
+    """Prefill TFLOP/s against sequence length; decode GB/s against batch, next to the copy and the peak; decode
+    time with and without a sliding window against context."""
     plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3 if window else 2, figsize=(18 if window else 12, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     for hd in sorted({p.head_dim for p in prefill}):
         pts = sorted((p for p in prefill if p.head_dim == hd and p.batch == 1), key=lambda p: p.seqlen)
         ax1.plot([p.seqlen for p in pts], [p.tritium_tflops for p in pts], "o-", label=f"tritium d={hd}")
@@ -264,6 +294,15 @@ def plot(prefill: list[PrefillPoint], decode: list[DecodePoint], path: Path, tit
     ax2.set_ylabel("KV read GB/s")
     ax2.set_title("paged decode attention")
     ax2.legend()
+    if window:
+        ax3 = axes[2]
+        ax3.plot([w.context for w in window], [w.window_ms for w in window], "o-", label=f"window {window[0].window}")
+        ax3.plot([w.context for w in window], [w.full_ms for w in window], "s--", label="full attention")
+        ax3.set_xscale("log", base=2)
+        ax3.set_xlabel(f"context (batch {window[0].batch}, d={window[0].head_dim})")
+        ax3.set_ylabel("ms per decode step")
+        ax3.set_title("decode with a sliding window")
+        ax3.legend()
     fig.suptitle(title)
     save_figure(fig, path)
 
@@ -300,6 +339,12 @@ def measure_kernels(prefill_grid: list[tuple[int, int, int]], decode_grid: list[
             result.not_measured.append(f"decode d={hd} batch={b} context={c}")
             continue
         result.decode.append(bench_decode(triton_ops, device, dtype, hd, b, c, peak, smoke))
+    hd, b, window, contexts = SMOKE_WINDOW_DECODE if smoke else WINDOW_DECODE
+    for c in tqdm(contexts, desc="windowed decode", unit="shape"):
+        if deadline is not None and time.perf_counter() > deadline:
+            result.not_measured.append(f"windowed decode d={hd} batch={b} window={window} context={c}")
+            continue
+        result.decode_window.append(bench_decode_window(triton_ops, device, dtype, hd, b, c, window, smoke))
     sweep(result, triton_ops, device, dtype, decode_grid, sweep_budget_s, smoke)
     return result
 
@@ -351,10 +396,16 @@ def run_kernel_benchmark(out_dir: str | Path = "bench_results", smoke: bool = Fa
     for d in decode:
         pct = f"{100 * d.tritium_gbs / copy:.0f}" if copy else "-"
         print(f"{'':<8}{d.head_dim:>5}{d.batch:>7}{d.context:>8}{d.tritium_gbs:>14.0f}{d.torch_gather_gbs:>12.0f}{pct:>8}")
+    window = measured.decode_window
+    if window:
+        print(f"{'window':<8}{'d':>5}{'batch':>7}{'context':>8}{'window ms':>11}{'full ms':>9}")
+        for w in window:
+            print(f"{w.window:<8}{w.head_dim:>5}{w.batch:>7}{w.context:>8}{w.window_ms:>11.3f}{w.full_ms:>9.3f}")
     report = {"device": name, "dtype": dtype, "peak_gbs": peak, "copy_gbs": copy,
               "prefill": [asdict(p) for p in prefill], "decode": [asdict(d) for d in decode],
+              "decode_window": [asdict(w) for w in window],
               "decode_sweep": [asdict(p) for p in measured.decode_sweep],
               "decode_table_entry": measured.decode_table_entry}
     title = f"tritium kernels on {name}"
-    write_report(out_dir, "kernels", report, lambda path: plot(prefill, decode, path, title, copy))
+    write_report(out_dir, "kernels", report, lambda path: plot(prefill, decode, path, title, copy, window))
     return report

@@ -1,10 +1,12 @@
 """gpu-check step 1: every Triton kernel against its torch reference, at GPU tiles, at realistic shapes.
 
-On CUDA: fp16 and bf16, the default model's head layout (9 heads, 3 KV heads, head_dim 64) and a
-Llama-8B-like one (32 / 8 / 128), thousands of tokens, prefill with several sequences and chunked context,
-decode with contexts up to 16k. In smoke mode (CPU, TRITON_INTERPRET=1): the default layout with a few
-tokens, fp32 and fp16 (the interpreter cannot run `tl.dot` on bf16), GPU tiles when the kernels take
-`tiles`. Attention is compared with the reference computed in fp32 from the same inputs.
+On CUDA: fp16 and bf16, the default model's head layout (9 heads, 3 KV heads, head_dim 64), a Llama-8B-like one
+(32 / 8 / 128) and a Gemma-3-4B-like one (8 / 4 / 256), thousands of tokens, prefill with several sequences and
+chunked context, decode with contexts up to 16k; attention also with a sliding window (shorter than most contexts),
+soft-capped, and both; the MLP's GELU(tanh)-and-mul next to SiLU-and-mul; rotary over three quarters of
+head_dim (Phi-4-mini's 96 of 128: halves that are not powers of two). In smoke mode (CPU, TRITON_INTERPRET=1): the
+default layout with a few tokens, fp32 and fp16 (the interpreter cannot run `tl.dot` on bf16), GPU tiles when the
+kernels take `tiles`. Attention is compared with the reference computed in fp32 from the same inputs.
 
 LoRA (kernels/lora.py): the segmented shrink + expand over four adapters (rank 16, a q-sized slice of the fused
 qkv output) and the per-row form (a slot per row, some -1), against the references. `time_lora` (run by step 4,
@@ -44,6 +46,8 @@ class Layout:
 
 DEFAULT_LAYOUT = Layout("SmolLM2-135M", 9, 3, 64, 576, 1536)
 LLAMA_8B_LAYOUT = Layout("Llama-8B-like", 32, 8, 128, 4096, 14336)
+GEMMA_LAYOUT = Layout("Gemma-3-4B-like", 8, 4, 256, 2560, 10240)
+SOFTCAP = 5.0  # scores of random inputs reach both of the kernels' tanh ranges (Gemma 2's cap is 50)
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,12 @@ class Sizes:
     prefill_queries: list[int]  # ... of which the last this many are queries (fewer: chunked / prefix hit)
     decode_contexts: list[int]
     max_position: int
+    window: int  # the sliding window of the windowed attention cases
 
 
 GPU_SIZES = Sizes(4096, [1, 17, 300, 1000, 2053], [1, 17, 300, 128, 2053],
-                  [1, 15, 16, 17, 1000, 4097, 8191, 16384], 16384)
-SMOKE_SIZES = Sizes(37, [1, 17, 40], [1, 17, 9], [1, 16, 17, 50], 128)
+                  [1, 15, 16, 17, 1000, 4097, 8191, 16384], 16384, 1000)
+SMOKE_SIZES = Sizes(37, [1, 17, 40], [1, 17, 9], [1, 16, 17, 50], 128, 20)
 
 
 @dataclass
@@ -124,50 +129,63 @@ def _rms_norm(residual: bool) -> Callable[..., tuple[float, bool]]:
     return run
 
 
-def _rotary(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
-    inv = 1.0 / (10000 ** (torch.arange(0, lay.head_dim, 2, device=device).float() / lay.head_dim))
-    freqs = torch.outer(torch.arange(sizes.max_position, device=device).float(), inv)
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    positions = torch.randint(0, sizes.max_position, (sizes.tokens,), device=device)
-    q = torch.randn(sizes.tokens, lay.heads, lay.head_dim, device=device).to(dtype)
-    k = torch.randn(sizes.tokens, lay.kv_heads, lay.head_dim, device=device).to(dtype)
-    q2, k2 = q.clone(), k.clone()
-    tri.rotary_embedding(q, k, positions, cache, **tile_kwargs(tri.rotary_embedding))
-    ref.rotary_embedding(q2, k2, positions, cache)
-    err_q, ok_q = _compare(q, q2, dtype)
-    err_k, ok_k = _compare(k, k2, dtype)
-    return max(err_q, err_k), ok_q and ok_k
+def _rotary(partial: bool) -> Callable[..., tuple[float, bool]]:
+    def run(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+        rot_dim = 3 * lay.head_dim // 4 if partial else lay.head_dim
+        inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, device=device).float() / rot_dim))
+        freqs = torch.outer(torch.arange(sizes.max_position, device=device).float(), inv)
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        positions = torch.randint(0, sizes.max_position, (sizes.tokens,), device=device)
+        q = torch.randn(sizes.tokens, lay.heads, lay.head_dim, device=device).to(dtype)
+        k = torch.randn(sizes.tokens, lay.kv_heads, lay.head_dim, device=device).to(dtype)
+        q2, k2 = q.clone(), k.clone()
+        tri.rotary_embedding(q, k, positions, cache, **tile_kwargs(tri.rotary_embedding))
+        ref.rotary_embedding(q2, k2, positions, cache)
+        err_q, ok_q = _compare(q, q2, dtype)
+        err_k, ok_k = _compare(k, k2, dtype)
+        return max(err_q, err_k), ok_q and ok_k
+    return run
 
 
-def _silu_and_mul(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype,
-                  device: str) -> tuple[float, bool]:
-    x = torch.randn(sizes.tokens // 2, 2 * lay.intermediate, device=device).to(dtype)
-    return _compare(tri.silu_and_mul(x, **tile_kwargs(tri.silu_and_mul)), ref.silu_and_mul(x), dtype)
+def _act_and_mul(op: str) -> Callable[..., tuple[float, bool]]:
+    def run(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+        x = torch.randn(sizes.tokens // 2, 2 * lay.intermediate, device=device).to(dtype)
+        fn = getattr(tri, op)
+        return _compare(fn(x, **tile_kwargs(fn)), getattr(ref, op)(x), dtype)
+    return run
 
 
-def _prefill(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
-    contexts, queries = sizes.prefill_contexts, sizes.prefill_queries
-    key_cache, value_cache, table = paged_context(contexts, lay.kv_heads, lay.head_dim, dtype, device)
-    q = torch.randn(sum(queries), lay.heads, lay.head_dim, device=device).to(dtype)
-    cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    scale = lay.head_dim**-0.5
-    got = tri.prefill_attention(q, key_cache, value_cache, table, cu, seq_lens, scale, max(queries),
-                                **tile_kwargs(tri.prefill_attention))
-    want = ref.prefill_attention(q.float(), key_cache.float(), value_cache.float(), table, cu, seq_lens, scale)
-    return _compare(got, want, dtype)
+def _prefill(window: bool = False, softcap: bool = False) -> Callable[..., tuple[float, bool]]:
+    def run(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+        contexts, queries = sizes.prefill_contexts, sizes.prefill_queries
+        key_cache, value_cache, table = paged_context(contexts, lay.kv_heads, lay.head_dim, dtype, device)
+        q = torch.randn(sum(queries), lay.heads, lay.head_dim, device=device).to(dtype)
+        cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+        scale = lay.head_dim**-0.5
+        kinds = (sizes.window if window else None, SOFTCAP if softcap else None)
+        got = tri.prefill_attention(q, key_cache, value_cache, table, cu, seq_lens, scale, max(queries), *kinds,
+                                    **tile_kwargs(tri.prefill_attention))
+        want = ref.prefill_attention(q.float(), key_cache.float(), value_cache.float(), table, cu, seq_lens, scale,
+                                     None, *kinds)
+        return _compare(got, want, dtype)
+    return run
 
 
-def _decode(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
-    contexts = sizes.decode_contexts
-    key_cache, value_cache, table = paged_context(contexts, lay.kv_heads, lay.head_dim, dtype, device)
-    q = torch.randn(len(contexts), lay.heads, lay.head_dim, device=device).to(dtype)
-    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    scale = lay.head_dim**-0.5
-    got = tri.decode_attention(q, key_cache, value_cache, table, seq_lens, scale,
-                               **tile_kwargs(tri.decode_attention))
-    want = ref.decode_attention(q.float(), key_cache.float(), value_cache.float(), table, seq_lens, scale)
-    return _compare(got, want, dtype)
+def _decode(window: bool = False, softcap: bool = False) -> Callable[..., tuple[float, bool]]:
+    def run(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+        contexts = sizes.decode_contexts
+        key_cache, value_cache, table = paged_context(contexts, lay.kv_heads, lay.head_dim, dtype, device)
+        q = torch.randn(len(contexts), lay.heads, lay.head_dim, device=device).to(dtype)
+        seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+        scale = lay.head_dim**-0.5
+        kinds = (sizes.window if window else None, SOFTCAP if softcap else None)
+        got = tri.decode_attention(q, key_cache, value_cache, table, seq_lens, scale, *kinds,
+                                   **tile_kwargs(tri.decode_attention))
+        want = ref.decode_attention(q.float(), key_cache.float(), value_cache.float(), table, seq_lens, scale,
+                                    *kinds)
+        return _compare(got, want, dtype)
+    return run
 
 
 LORA_RANK = 16
@@ -238,10 +256,18 @@ OPS: dict[str, Callable[..., tuple[float, bool]]] = {
     "store_kv": _store_kv,
     "rms_norm": _rms_norm(residual=False),
     "rms_norm+residual": _rms_norm(residual=True),
-    "rotary_embedding": _rotary,
-    "silu_and_mul": _silu_and_mul,
-    "prefill_attention": _prefill,
-    "decode_attention": _decode,
+    "rotary_embedding": _rotary(partial=False),
+    "rotary_embedding (3/4 of head_dim)": _rotary(partial=True),
+    "silu_and_mul": _act_and_mul("silu_and_mul"),
+    "gelu_tanh_and_mul": _act_and_mul("gelu_tanh_and_mul"),
+    "prefill_attention": _prefill(),
+    "prefill_attention+window": _prefill(window=True),
+    "prefill_attention+softcap": _prefill(softcap=True),
+    "prefill_attention+window+softcap": _prefill(window=True, softcap=True),
+    "decode_attention": _decode(),
+    "decode_attention+window": _decode(window=True),
+    "decode_attention+softcap": _decode(softcap=True),
+    "decode_attention+window+softcap": _decode(window=True, softcap=True),
     "lora_segmented": _lora_segmented,
     "lora_rows": _lora_rows,
 }
@@ -343,8 +369,8 @@ def check_kernels(smoke: bool) -> Outcome:
     if smoke:
         device, layouts, dtypes, sizes = "cpu", [DEFAULT_LAYOUT], [torch.float32, torch.float16], SMOKE_SIZES
     else:
-        device, layouts, dtypes, sizes = "cuda", [DEFAULT_LAYOUT, LLAMA_8B_LAYOUT], [torch.float16,
-                                                                                    torch.bfloat16], GPU_SIZES
+        device, layouts, dtypes, sizes = ("cuda", [DEFAULT_LAYOUT, LLAMA_8B_LAYOUT, GEMMA_LAYOUT],
+                                          [torch.float16, torch.bfloat16], GPU_SIZES)
     torch.manual_seed(0)
     plan = [(op, lay, dtype) for lay in layouts for dtype in dtypes for op in OPS]
     cases: list[Case] = []

@@ -112,6 +112,25 @@ def run_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def families_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench families`' options."""
+    options.num_requests(p, 8)
+    options.output_len(p, 32)
+    p.add_argument("--window", type=int, default=512, help="the windowed Mistral's sliding_window")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                   help="prompt lengths the decode time is measured after")
+    options.out_dir(p)
+
+
+def run_families(args: argparse.Namespace) -> int:
+    """bench/families.py; returns 0."""
+    from tritium.client.bench.families import run_families_benchmark
+
+    run_families_benchmark(num_requests=args.num_requests, output_len=args.output_len, window=args.window,
+                           contexts=tuple(args.contexts), out_dir=args.out_dir)
+    return 0
+
+
 def structured_options(p: argparse.ArgumentParser) -> None:
     """`tritium bench structured`'s options."""
     options.num_requests(p, 32, help="requests submitted at once")
@@ -322,6 +341,8 @@ SCENARIOS = (
              "under an open-loop load (in-process)", priority_options, run_priority),
     Scenario("lora", "multi-LoRA: throughput with 4 adapters + base vs base, load time, memory", lora_options,
              run_lora),
+    Scenario("families", "Qwen3, Phi-3, Gemma 2/3 beside Llama of the same size (load, tok/s); decode vs context "
+             "with and without a sliding window", families_options, run_families),
     Scenario("spec", "one stream with and without speculative decoding (n-gram, a draft model): ITL, acceptance",
              spec_options, run_spec),
     Scenario("aiperf", "AIPerf (NVIDIA's genai-perf successor) against a tritium server "

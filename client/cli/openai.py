@@ -27,8 +27,13 @@ def add_parser(subparsers: Any) -> None:
                    "Authorization: Bearer ADMIN_KEY (not the --api-key); sent on to every upstream, whose model must "
                    f"have the same key (tritium serve --admin-key) (default: ${options.ADMIN_KEY_ENV}; none: those "
                    "routes answer 404)")
-    options.model(p, default="tritium", help="Triton model name, also the OpenAI model id")
-    options.tokenizer(p, "model folder whose tokenizer/chat template to use")
+    options.model(p, default="tritium", help="the Triton model to call (its name is always accepted as the "
+                  "OpenAI model id too)")
+    options.served_model_name(p, help="the OpenAI model id that /v1/models lists (default: the name the upstream's "
+                              "model reports, which `tritium serve --model` sets, else --model)")
+    options.tokenizer(p, "model folder (or a name in $TRITIUM_CACHE/models) whose tokenizer and chat template to use "
+                      "(default: the folder the upstream reports serving when it is on this host, else the default "
+                      "model)")
     p.add_argument("--max-concurrency", type=int, default=256,
                    help="upstream requests in flight (a choice each) beyond which requests get 503 + Retry-After")
     p.add_argument("--expose-model-path", action="store_true",
@@ -48,5 +53,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer,
                  max_concurrency=args.max_concurrency, metrics_urls=args.upstream_metrics,
-                 expose_model_path=args.expose_model_path, admin_key=args.admin_key or None)
+                 expose_model_path=args.expose_model_path, admin_key=args.admin_key or None,
+                 served_model_name=args.served_model_name or None)
     return 0

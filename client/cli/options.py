@@ -31,6 +31,11 @@ def model(p: argparse.ArgumentParser, help: str, default: str | None = None) -> 
     p.add_argument("--model", default=default, help=help)
 
 
+def served_model_name(p: argparse.ArgumentParser, help: str) -> None:
+    """`--served-model-name`: the name clients know the served model by (the OpenAI model id)."""
+    p.add_argument("--served-model-name", default=None, metavar="NAME", help=help)
+
+
 def host(p: argparse.ArgumentParser) -> None:
     """`--host`: the address a server binds (loopback unless told otherwise)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

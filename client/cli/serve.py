@@ -14,6 +14,7 @@ from tritium.client.cli import options
 
 if TYPE_CHECKING:
     from tritium.client.triton.launcher import ServerOptions, TritonServer
+    from tritium.client.triton.served_model import ServedModel
 
 ADMIN_KEY_ENV = options.ADMIN_KEY_ENV
 LORA_MODELS = ("tritium", "tritium_ids")  # the engines `--lora` / `--enable-lora` turn LoRA on for (and the ensemble)
@@ -22,6 +23,8 @@ HEALTH_POLL_S = 1.0  # how often `serve` reads tritium_engine_healthy from the m
 # sentence, through its chat template (a bare question makes it end at once). tests/server/test_server.py sends it.
 EXAMPLE_REQUEST = {"text_input": "What is the capital of France?", "apply_chat_template": True, "max_tokens": 32,
                    "temperature": 0}
+# ... and for a served model without a chat template (a base model), text to continue.
+PLAIN_EXAMPLE_REQUEST = {"text_input": "The capital of France is", "max_tokens": 32, "temperature": 0}
 
 
 def default_repository() -> Path:
@@ -34,6 +37,14 @@ def default_repository() -> Path:
 def add_parser(subparsers: Any) -> None:
     """Register `serve` and its options on the top-level subparsers."""
     p = subparsers.add_parser("serve", help="serve the model repository with a real tritonserver")
+    options.model(p, help="serve this model: a Hugging Face folder, or the name of a folder in $TRITIUM_CACHE/models "
+                  "(`tritium models` lists them); checked before tritonserver starts, then set as model.json's "
+                  "model of every tritium model in a copy of the repository (default: what the repository's "
+                  "model.json files say; the packaged ones: the embedded default model)")
+    options.served_model_name(p, help="the name the server reports for its model, which `tritium openai` serves "
+                              "as the model id (default with --model: the folder's name, or the name in "
+                              "$TRITIUM_CACHE/models as given; without either: none, and the id is the Triton "
+                              "model's name)")
     p.add_argument("--model-repository", default=str(default_repository()))
     options.host(p)
     p.add_argument("--http-port", type=int, default=8000)
@@ -125,13 +136,60 @@ def engine_settings(repository: Path, overrides: dict[str, object],
     return {name: overrides | (lora if name in LORA_MODELS else {}) for name in engines}
 
 
+def served_model(args: argparse.Namespace) -> ServedModel | None:
+    """`--model` resolved and checked, named by `--served-model-name`; None without either option. Raises
+    ValueError naming --model and why its folder cannot load (the loader's message)."""
+    from tritium.backend.model_config import ModelFolderError
+    from tritium.client.triton.served_model import ServedModel, resolve_served_model
+
+    if args.model is None:
+        return ServedModel(args.served_model_name) if args.served_model_name else None
+    try:
+        return resolve_served_model(args.model, args.served_model_name)
+    except ModelFolderError as exc:
+        raise ValueError(f"--model {args.model}: {exc}") from None
+
+
+def model_settings(repository: Path, served: ServedModel) -> tuple[dict[str, dict[str, object]],
+                                                                   dict[str, dict[str, str]]]:
+    """(model.json settings, config.pbtxt parameters) per tritium model of `repository` (those with a
+    `1/model.json`: the engines and the ensemble's tokenizer models) for `served`: its folder as `model`, and
+    the parameters that name it."""
+    names = sorted(m.parent.parent.name for m in repository.glob("*/1/model.json"))
+    settings: dict[str, dict[str, object]] = {name: {"model": served.folder} for name in names
+                                              if served.folder is not None}
+    return settings, {name: served.parameters() for name in names}
+
+
+def repository_changes(args: argparse.Namespace, repository: Path, lora: dict[str, Any],
+                       served: ServedModel | None) -> tuple[dict[str, dict[str, object]], dict[str, dict[str, str]]]:
+    """(model.json settings, config.pbtxt parameters) per model of `repository` that the options change;
+    both empty when they change nothing (the repository is then served as it is)."""
+    overrides = {key: value for key, value in (("quantization", args.quantization), ("dtype", args.dtype),
+                                               ("num_threads", args.num_threads)) if value is not None}
+    settings = engine_settings(repository, overrides, lora) if overrides or lora else {}
+    if served is None:
+        return settings, {}
+    model, parameters = model_settings(repository, served)
+    for name, values in model.items():
+        settings[name] = settings.get(name, {}) | values
+    return settings, parameters
+
+
+def example_request(served: ServedModel | None) -> dict[str, object]:
+    """The request `serve` prints: a question through the chat template, or text to continue when the served
+    model has none."""
+    if served is None or served.folder is None:
+        return EXAMPLE_REQUEST
+    from tritium.backend.tokenizer import Tokenizer
+
+    return EXAMPLE_REQUEST if Tokenizer(served.folder).chat_template else PLAIN_EXAMPLE_REQUEST
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM; returns 0 then, 1 when tritonserver fails to start or exits, 2 when the
-    bind policy refuses the address."""
-    import signal
-    import threading
-    import time
-
+    bind policy refuses the address or an option is wrong (a --model that cannot load: before tritonserver
+    starts)."""
     from tritium.client.cli.bind_policy import open_bind_refusal
     from tritium.client.triton.launcher import ServerOptions, TritonServer
 
@@ -140,32 +198,50 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         lora = lora_settings(args.lora, args.enable_lora)
+        served = served_model(args)  # before tritonserver: a folder that cannot load fails here, with its reason
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.admin_key:  # the tritium models read their LoRA admin key from tritonserver's environment
         os.environ[ADMIN_KEY_ENV] = args.admin_key
     repository = Path(args.model_repository).resolve()
-    overrides = {key: value for key, value in (("quantization", args.quantization), ("dtype", args.dtype),
-                                               ("num_threads", args.num_threads)) if value is not None}
-    if overrides or lora:  # a copy of the repository with the engine models' settings changed; the original stays
+    per_model, parameters = repository_changes(args, repository, lora, served)
+    copied = bool(per_model or parameters)
+    if copied:  # a copy of the repository with the models' settings changed; the original stays
         import tempfile
 
         from tritium.client.triton.repository import copy_with_settings
 
         copy = Path(tempfile.mkdtemp(prefix="tritium-repository-")) / "repository"
-        per_model = engine_settings(repository, overrides, lora)
-        repository = copy_with_settings(copy, per_model, source=repository)
+        repository = copy_with_settings(copy, per_model, source=repository, parameters=parameters)
         for name in sorted(per_model):
             if per_model[name]:
                 print(f"serving a copy of the repository with {per_model[name]} for {name}", flush=True)
+        if served is not None and served.name is not None:
+            print(f"serving the model as {served.name!r} (the OpenAI endpoint's model id)", flush=True)
     server_options = ServerOptions(
         model_repository=repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
         admin_key=args.admin_key or None, model_control=args.model_control, load_models=args.load_model or [],
         log_verbose=args.log_verbose,
     )
-    server = TritonServer(server_options)
+    try:
+        return serve_until_stopped(TritonServer(server_options), example_request(served))
+    finally:
+        if copied:
+            import shutil
+
+            shutil.rmtree(repository.parent, ignore_errors=True)
+
+
+def serve_until_stopped(server: TritonServer, example: dict[str, object]) -> int:
+    """Start `server`, print how to reach it, and watch it until SIGINT / SIGTERM; returns 0 then, 1 when
+    tritonserver fails to start or exits."""
+    import signal
+    import threading
+    import time
+
+    server_options = server.options
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -180,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         f"tritium is serving\n  HTTP:    {server.http_url}\n  gRPC:    {server.grpc_url}\n"
         f"  metrics: {server.metrics_url}\n  auth:    {auth_summary(server_options)}\n\n"
         f"try:\n  curl -s{key_header} {server.http_url}/v2/models/tritium/generate \\\n"
-        f"    -d '{json.dumps(EXAMPLE_REQUEST)}'\n"
+        f"    -d '{json.dumps(example)}'\n"
         "Ctrl-C stops the server.",
         flush=True,
     )
@@ -196,8 +272,4 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(0.25)
     print("stopping ...", flush=True)
     server.stop()
-    if overrides or lora:
-        import shutil
-
-        shutil.rmtree(repository.parent, ignore_errors=True)
     return 0

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +37,9 @@ from tritium.client.openai.protocol import DEFAULT_MAX_CONCURRENCY, ChatRequest,
 from tritium.client.openai.replica_routes import add_replica_routes
 from tritium.client.openai.service import OpenAIService
 
+if TYPE_CHECKING:
+    from tritium.client.triton.served_model import ServedModel
+
 MAX_BODY_BYTES = 4 << 20
 
 
@@ -43,9 +47,10 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                tokenizer: Tokenizer | None = None, default_max_tokens: int = 16,
                max_concurrency: int = DEFAULT_MAX_CONCURRENCY, metrics_urls: list[str | None] | None = None,
                model_path: str | None = None, max_model_len: int | None = None,
-               admin_key: str | None = None) -> FastAPI:
-    """The endpoint's app in front of the tritonservers at `upstreams` (gRPC addresses), serving `model` and the
-    LoRA adapters the upstreams hold. `admin_key`: turns on `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+               admin_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    """The endpoint's app in front of the tritonservers at `upstreams` (gRPC addresses), serving the Triton model
+    `model` under the id `served_model_name` (None: `model`; `model` is accepted for it too), and the LoRA
+    adapters the upstreams hold. `admin_key`: turns on `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
     (they take `Authorization: Bearer <admin_key>`; the key is sent on to the upstreams).
     `metrics_urls`: each upstream's tritonserver metrics (engine load and health; the `vllm:*` gauges);
     `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report. Without `tokenizer`, the default
@@ -56,7 +61,9 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         from tritium.backend.models.registry import resolve_model
 
         tokenizer = Tokenizer(resolve_model(None))
-    service = OpenAIService(router, tokenizer, model, default_max_tokens, max_concurrency, model_path, max_model_len)
+    model_id = served_model_name or model
+    service = OpenAIService(router, tokenizer, model_id, default_max_tokens, max_concurrency, model_path,
+                            max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,14 +86,14 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        base = {"id": model, "object": "model", "created": 0, "owned_by": "tritium", "root": model_path or model,
-                "parent": None, "max_model_len": max_model_len}
+        base = {"id": model_id, "object": "model", "created": 0, "owned_by": "tritium",
+                "root": model_path or model_id, "parent": None, "max_model_len": max_model_len}
         adapters = [{"id": a.name, "object": "model", "created": 0, "owned_by": "tritium", "root": a.path,
-                     "parent": model, "max_model_len": max_model_len}
+                     "parent": model_id, "max_model_len": max_model_len}
                     for a in (await service.adapters.current()).values()]
         return {"object": "list", "data": [base, *adapters]}
 
-    add_lora_routes(app, router, service.adapters, model, admin_key)
+    add_lora_routes(app, router, service.adapters, service.base_names, admin_key)
 
     add_replica_routes(app, service)
 
@@ -113,29 +120,65 @@ def model_max_len(folder: str | Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def upstream_model(upstreams: list[str], model: str, api_key: str | None) -> ServedModel | None:
+    """What the first upstream that answers says its Triton model `model` serves (`tritium serve --model`);
+    None, with a warning on stderr, when none answers."""
+    from tritium.client.triton.served_model import read_served_model
+
+    failures = []
+    for url in upstreams:
+        try:
+            return read_served_model(url, api_key, model)
+        except RuntimeError as exc:
+            failures.append(str(exc))
+    print(f"warning: no upstream said which model it serves ({'; '.join(failures)}): without --served-model-name "
+          f"the model id is {model!r}, without --tokenizer the tokenizer is the default model's (start `tritium serve` "
+          "first)", file=sys.stderr, flush=True)
+    return None
+
+
+def tokenizer_folder(tokenizer_path: str | None, upstream: ServedModel | None) -> Path:
+    """--tokenizer's folder; else the upstream's model folder when it is on this host; else the default model's
+    (with a warning on stderr when the upstream serves another model)."""
+    from tritium.backend.models.registry import resolve_model
+
+    if tokenizer_path is not None or upstream is None:
+        return resolve_model(tokenizer_path)
+    if (folder := upstream.local_folder()) is not None:
+        return folder
+    if upstream.folder is not None:
+        print(f"warning: the upstream serves {upstream.name or 'its model'} from {upstream.folder}, which is not on "
+              "this host: the default model's tokenizer is used (give --tokenizer)", file=sys.stderr, flush=True)
+    return resolve_model(None)
+
+
 def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None, model: str,
                  tokenizer_path: str | None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
                  metrics_urls: list[str] | None = None, expose_model_path: bool = False,
-                 admin_key: str | None = None) -> None:
+                 admin_key: str | None = None, served_model_name: str | None = None) -> None:
     """Serve the endpoint until stopped. `metrics_urls`: one per upstream, in order; without them an upstream on
     Triton's default gRPC port 8001 is read at its host's port 8002, others not at all (their load is then
     counted from this endpoint's own requests). `expose_model_path`: /model_info names the local model folder.
-    `admin_key`: turns on the runtime LoRA routes (see `create_app`).
+    `admin_key`: turns on the runtime LoRA routes (see `create_app`). `served_model_name` (the model id) and
+    `tokenizer_path`, when None, come from what the upstream reports serving (`upstream_model`).
     Raises SystemExit when the number of `metrics_urls` does not match the upstreams."""
     import uvicorn
 
-    from tritium.backend.models.registry import resolve_model
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    folder = resolve_model(tokenizer_path)
-    tokenizer = Tokenizer(folder)
     if metrics_urls and len(metrics_urls) != len(upstreams):
         raise SystemExit(f"error: {len(metrics_urls)} --upstream-metrics for {len(upstreams)} --upstream: give one "
                          "per upstream, in the same order")
+    upstream = None
+    if served_model_name is None or tokenizer_path is None:
+        upstream = upstream_model(upstreams, model, api_key)
+    folder = tokenizer_folder(tokenizer_path, upstream)
+    tokenizer = Tokenizer(folder)
+    model_id = served_model_name or (upstream.name if upstream is not None else None) or model
     urls: list[str | None] = list(metrics_urls) if metrics_urls else [default_metrics_url(u) for u in upstreams]
     app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer, max_concurrency=max_concurrency,
                      metrics_urls=urls, model_path=str(folder) if expose_model_path else None,
-                     max_model_len=model_max_len(folder), admin_key=admin_key)
-    print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}", flush=True)
+                     max_model_len=model_max_len(folder), admin_key=admin_key, served_model_name=model_id)
+    print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}, model {model_id!r} "
+          f"(tokenizer: {folder})", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Literal
@@ -243,10 +244,11 @@ def failure_response(outcomes: list[ReplicaOutcome], replicas: int, what: str) -
                           else None)
 
 
-def add_lora_routes(app: FastAPI, router: Router, catalog: AdapterCatalog, base_model: str,
+def add_lora_routes(app: FastAPI, router: Router, catalog: AdapterCatalog, base_names: AbstractSet[str],
                     admin_key: str | None) -> None:
-    """vLLM's runtime LoRA routes. Without an admin key they are not added (RequestGuard answers 404 for them,
-    saying why); with one, RequestGuard has checked `Authorization: Bearer <admin key>` before they run."""
+    """vLLM's runtime LoRA routes (an adapter may not take one of the base model's `base_names`). Without an
+    admin key they are not added (RequestGuard answers 404 for them, saying why); with one, RequestGuard has
+    checked `Authorization: Bearer <admin key>` before they run."""
     if admin_key is None:
         return
     admin = catalog.admin
@@ -267,7 +269,7 @@ def add_lora_routes(app: FastAPI, router: Router, catalog: AdapterCatalog, base_
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(body: LoadLoraAdapter) -> PlainTextResponse | JSONResponse:
         name = body.lora_name
-        if name == base_model:
+        if name in base_names:
             return error_response(400, f"lora_name: {name!r} is the base model's name", param="lora_name")
         if name in await catalog.current(MISS_REFRESH_S):
             return error_response(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")

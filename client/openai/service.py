@@ -66,8 +66,9 @@ def usage(choices: dict[int, ChoiceResult], n: int) -> dict[str, Any]:
 
 
 class OpenAIService:
-    """The state of one endpoint. `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report;
-    `adapters`: the LoRA adapters the upstreams serve (each a model of its own, `parent` the base)."""
+    """The state of one endpoint. `model`: the served model's id (`router.model`, the Triton model's name, is
+    accepted for it too); `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report; `adapters`:
+    the LoRA adapters the upstreams serve (each a model of its own, `parent` the base)."""
 
     def __init__(self, router: Router, tokenizer: Tokenizer, model: str, default_max_tokens: int,
                  max_concurrency: int, model_path: str | None = None, max_model_len: int | None = None) -> None:
@@ -89,14 +90,19 @@ class OpenAIService:
         """How many upstream replicas are up now."""
         return sum(r.healthy for r in self.router.replicas)
 
+    @property
+    def base_names(self) -> frozenset[str]:
+        """The names a request may give the served model: its id, and the name of the Triton model it runs."""
+        return frozenset((self.model, self.router.model))
+
     def served_name(self, name: str | None) -> str:
         """The `model` a response names: the request's (the base or an adapter), the served model without one."""
         return name if name is not None else self.model
 
     async def resolve_model(self, name: str | None) -> tuple[str | None, JSONResponse | None]:
         """(the LoRA adapter a request's `model` names, None for the base model; None) or (None, the 404) when
-        it names neither the served model nor an adapter the upstreams serve."""
-        if name is None or name == self.model:
+        it names neither the served model (`base_names`) nor an adapter the upstreams serve."""
+        if name is None or name in self.base_names:
             return None, None
         if await self.adapters.lookup(name) is not None:
             return name, None

@@ -59,12 +59,20 @@ def write_multi_lora(version_dir: Path, adapters: Mapping[str, str]) -> Path:
 
 
 def copy_with_settings(dest: Path, overrides: Mapping[str, Mapping[str, Any]],
-                       source: Path = PACKAGE_REPOSITORY) -> Path:
+                       source: Path = PACKAGE_REPOSITORY,
+                       parameters: Mapping[str, Mapping[str, str]] | None = None) -> Path:
     """A copy of the whole repository `source` at `dest`, each named model's version-1 `model.json` updated
-    with its overrides ({model: settings}); models not named are copied as they are."""
+    with its overrides ({model: settings}) and its `config.pbtxt` given the string `parameters` named for it
+    ({model: {key: value}}); models not named are copied as they are."""
+    from tritium.client.triton.served_model import pbtxt_parameters
+
     shutil.copytree(source, dest, ignore=_IGNORE, dirs_exist_ok=True)
     for model, settings in overrides.items():
         path = dest / model / "1" / "model.json"
         path.write_text(json.dumps(json.loads(path.read_text(encoding="utf-8")) | dict(settings), indent=2),
                         encoding="utf-8")
+    for model, params in (parameters or {}).items():
+        config = dest / model / "config.pbtxt"
+        text = config.read_text(encoding="utf-8")
+        config.write_text(text + ("" if text.endswith("\n") else "\n") + pbtxt_parameters(params), encoding="utf-8")
     return dest

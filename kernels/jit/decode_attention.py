@@ -10,15 +10,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tritium.kernels.jit.tanh import tanh
 
-@triton.jit(do_not_specialize=["min_keys_per_split", "num_heads", "num_splits", "stride_bt"],
+
+@triton.jit(do_not_specialize=["window", "min_keys_per_split", "num_heads", "num_splits", "stride_bt"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
-    scale_log2e, min_keys_per_split, num_heads, num_splits,
+    scale_log2e, cap_in, window, min_keys_per_split, num_heads, num_splits,
     stride_qs, stride_qh, stride_cache_block, stride_cache_pos, stride_bt,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -35,20 +37,30 @@ def decode_split_kernel(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     # Each sequence cuts its own context into equal segments (whole key tiles, at least min_keys_per_split
     # keys): the split count is chosen for the longest possible context (the block table's width, fixed
-    # in a CUDA graph), and shorter contexts still spread over the splits.
-    keys_per_split = tl.cdiv(tl.maximum(tl.cdiv(context_len, num_splits), min_keys_per_split), BLOCK_N) * BLOCK_N
-    start = split * keys_per_split
+    # in a CUDA graph), and shorter contexts still spread over the splits. With a window the segments cover
+    # only the key tiles from the one holding the window's first key (masked below it) to the context's end.
+    span_start = 0
+    if WINDOW:
+        window_start = tl.maximum(context_len - window, 0)
+        span_start = (window_start // BLOCK_N) * BLOCK_N
+    keys_per_split = tl.cdiv(tl.maximum(tl.cdiv(context_len - span_start, num_splits), min_keys_per_split),
+                             BLOCK_N) * BLOCK_N
+    start = span_start + split * keys_per_split
     end = tl.minimum(start + keys_per_split, context_len)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start_n in range(start, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         valid = keys < end
+        if WINDOW:
+            valid = valid & (keys >= window_start)
         blocks = tl.load(block_table + keys // PAGE, mask=valid, other=0).to(tl.int64)
         offs = blocks * stride_cache_block + (keys % PAGE) * stride_cache_pos + kv_head * HEAD_DIM
         offs = tl.multiple_of(offs, 16)  # rows of the cache start at multiples of head_dim
         k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        qk = tl.where(valid[None, :], qk, float("-inf"))
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:  # c * tanh(s / c), in the exp2 domain: cap_in = scale / c, scale_log2e = c * log2(e)
+            qk = tanh(qk * cap_in)
+        qk = tl.where(valid[None, :], qk * scale_log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])

@@ -10,12 +10,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tritium.kernels.jit.tanh import tanh
+
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, start_n, context_len, q_pos,
-                 kv_head, scale_log2e, stride_cache_block, stride_cache_pos,
+                 kv_head, scale_log2e, cap_in, window, stride_cache_block, stride_cache_pos,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                 CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile into the online softmax. MASK: 0 none, 1 causal, 2 causal and the window's start."""
     keys = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_context = keys < context_len
@@ -23,12 +26,21 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, st
     offs = blocks * stride_cache_block + (keys % PAGE) * stride_cache_pos + kv_head * HEAD_DIM
     offs = tl.multiple_of(offs, 16)  # rows of the cache start at multiples of head_dim
     k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=in_context[:, None], other=0.0)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-    if CAUSAL_MASK:
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:  # c * tanh(s / c), in the exp2 domain: cap_in = scale / c, scale_log2e = c * log2(e)
+        qk = tanh(qk * cap_in)
+    qk = qk * scale_log2e
+    if MASK == 1:
         qk = tl.where((keys[None, :] <= q_pos[:, None]) & in_context[None, :], qk, float("-inf"))
+    if MASK == 2:
+        visible = (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible & in_context[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if MASK == 2:  # a row whose window starts past this tile has seen no key yet: it must add nothing (not NaN)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=in_context[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -42,14 +54,14 @@ def query_tile(slot, rows, BLOCK_M: tl.constexpr):
     return (rows + BLOCK_M - 1) // BLOCK_M - 1 - slot
 
 
-@triton.jit(do_not_specialize=["stride_bt"],
+@triton.jit(do_not_specialize=["stride_bt", "window"],
             do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr"])
 def prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
-    scale_log2e, stride_qt, stride_qh, stride_ot, stride_oh,
+    scale_log2e, cap_in, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_pos, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -73,16 +85,29 @@ def prefill_attention_kernel(
         block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         first_pos = context_len - q_len + (tile * BLOCK_M) // GROUP
         last_pos = tl.minimum(context_len - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, context_len - 1)
-        # Key tiles entirely at or before the first query position of this tile need no mask.
+        # Key tiles entirely at or before the first query position of this tile need no causal mask.
         unmasked_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-        for start_n in range(0, unmasked_end, BLOCK_N):
+        unmasked_start = 0
+        causal_start = unmasked_end
+        if WINDOW:
+            # Key tiles wholly before the first row's window are never visited; from the one holding its start up
+            # to the first tile inside every row's window they are masked by window (and causally).
+            window_tile = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+            unmasked_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+            causal_start = tl.maximum(unmasked_end, unmasked_start)
+            for start_n in range(window_tile, tl.minimum(unmasked_start, last_pos + 1), BLOCK_N):
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, start_n,
+                                             context_len, q_pos, kv_head, scale_log2e, cap_in, window,
+                                             stride_cache_block, stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, 2,
+                                             SOFTCAP, DOT_PRECISION)
+        for start_n in range(unmasked_start, unmasked_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, start_n,
-                                         context_len, q_pos, kv_head, scale_log2e, stride_cache_block,
-                                         stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, False, DOT_PRECISION)
-        for start_n in range(unmasked_end, last_pos + 1, BLOCK_N):
+                                         context_len, q_pos, kv_head, scale_log2e, cap_in, window, stride_cache_block,
+                                         stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, 0, SOFTCAP, DOT_PRECISION)
+        for start_n in range(causal_start, last_pos + 1, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, start_n,
-                                         context_len, q_pos, kv_head, scale_log2e, stride_cache_block,
-                                         stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, True, DOT_PRECISION)
+                                         context_len, q_pos, kv_head, scale_log2e, cap_in, window, stride_cache_block,
+                                         stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, 1, SOFTCAP, DOT_PRECISION)
         out = acc / l_i[:, None]
         o_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])

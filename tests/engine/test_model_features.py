@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.model_config import ModelFolderError
+from tritium.backend.model_config import ModelConfig, ModelFolderError
 from tritium.client.triton.repository import write_model
 
 from support.checkpoints import save_tiny
@@ -44,10 +44,8 @@ def copy_of(src: Path, dest: Path) -> Path:
 
 @pytest.mark.parametrize("overrides,message", [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
-     "rope_scaling type 'yarn'"),
-], ids=["hidden_act", "rope dynamic", "rope yarn"])
+    ({"rope_scaling": {"rope_type": "proportional"}}, "rope_scaling type 'proportional'"),
+], ids=["hidden_act", "rope proportional"])
 def test_unsupported_config_features_are_named(tmp_path: Path, default_model_path: Path, overrides: dict,
                                                message: str) -> None:
     path = save_tiny("llama", tmp_path / "m", default_model_path, **overrides)
@@ -101,14 +99,16 @@ def test_llama_attention_and_mlp_bias_match_transformers(make_llm: Callable[...,
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))] == expected
 
 
-def test_sliding_window_caps_the_context_and_is_never_active(make_llm: Callable[..., LLM], tmp_path: Path,
-                                                             default_model_path: Path) -> None:
-    path = edit_config(save_tiny("mistral", tmp_path / "m", default_model_path), sliding_window=64)
-    llm = make_llm(str(path), kv_cache_bytes=8 << 20)
-    assert llm.engine.max_model_len == 64  # full attention within the window is what the model computes
-    with pytest.raises(ModelFolderError, match="max_model_len 128 exceeds the model's context of 64 tokens "
-                                               r"\(its sliding_window of 64 tokens\)"):
-        LLM(str(path), kv_cache_bytes=8 << 20, max_model_len=128)
+def test_a_sliding_window_attends_to_the_last_window_keys(make_llm: Callable[..., LLM], tmp_path: Path,
+                                                          default_model_path: Path) -> None:
+    """Mistral's window, for real: prompts and generations past it, chunked prefill included, token for token as
+    transformers computes them; the context stays the model's own."""
+    path = edit_config(save_tiny("mistral", tmp_path / "m", default_model_path), sliding_window=16)
+    llm = make_llm(str(path), kv_cache_bytes=8 << 20, max_num_batched_tokens=24, max_num_seqs=4)
+    assert llm.engine.max_model_len == ModelConfig.from_folder(path).max_position_embeddings > 16
+    prompts = [llm.tokenizer.encode("A window slides over the keys of a long prompt " * 4), [5, 6, 7]]
+    expected = hf_greedy(path, prompts, 24)
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))] == expected
 
 
 def test_triton_backend_refuses_a_head_size_its_kernels_cannot_run(make_llm: Callable[..., LLM], tmp_path: Path,

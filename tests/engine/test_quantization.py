@@ -21,7 +21,7 @@ from tritium.backend import LLM, EngineConfig, SamplingParams
 from tritium.backend.layers.int4_linear import Int4Linear
 from tritium.backend.layers.int8_linear import PATHS, Int8Linear, quantize_per_channel
 from tritium.backend.model_config import ModelConfig
-from tritium.backend.models.llama import PROJECTIONS
+from tritium.backend.models.base import PROJECTIONS
 from tritium.backend.models.loader import load_model
 from tritium.backend.models.quantization import QuantizationOptions
 from tritium.backend.serving.settings import load_settings

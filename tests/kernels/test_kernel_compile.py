@@ -31,16 +31,23 @@ from tritium.kernels.compile_check import (
 from tritium.kernels.decode_attention import SPLIT_CHOICES
 from tritium.kernels.token_bitmask import apply_token_bitmask
 
-KERNELS = {"store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel",
+KERNELS = {"store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_kernel", "gelu_tanh_and_mul_kernel",
            "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel", "token_bitmask_kernel",
            "int8_gemm_kernel",  # the W8A16 GEMM: the check builds every model shape as an int8 engine too
            "lora_shrink_kernel", "lora_expand_kernel", "lora_shrink_rows_kernel",  # and as a LoRA engine (rank 16)
            "lora_expand_rows_kernel"}
 DTYPES = ("fp16", "bf16", "fp32")
-# dtype, head_dim, GQA group: the eight models in every dtype, head_dim 32 and 256 in bf16
-ATTENTION = set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8))) | {("bf16", 32, 4), ("bf16", 256, 2)}
-REDUCE = set(itertools.product(DTYPES, (64, 128), SPLIT_CHOICES)) | set(itertools.product(("bf16",), (32, 256),
+# dtype, head_dim, GQA group: the eight models in every dtype, the wide ones (head_dim 32, Gemma 3 and 2, Qwen3,
+# Phi-4-mini) in bf16 and fp16
+WIDE = ("bf16", "fp16")
+ATTENTION = (set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8)))
+             | {(d, *shape) for d in WIDE for shape in ((32, 4), (256, 4), (256, 2), (128, 2), (128, 3))})
+REDUCE = set(itertools.product(DTYPES, (64, 128), SPLIT_CHOICES)) | set(itertools.product(WIDE, (32, 256),
                                                                                           SPLIT_CHOICES))
+# (head_dim, group, WINDOW, SOFTCAP) of the windowed or capped variants: Gemma 3 1B (sliding), Gemma 2 9B and 27B
+# (capped, full and sliding)
+KINDS = {(d, *kind) for d in WIDE for kind in ((256, 4, True, False), (256, 2, False, True), (256, 2, True, True),
+                                               (128, 2, False, True), (128, 2, True, True))}
 
 
 def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
@@ -54,11 +61,19 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
              if r["kernel"] == "decode_reduce_kernel"}
     assert built == REDUCE, REDUCE - built
     for kernel in ("prefill_attention_kernel", "decode_split_kernel"):
+        c = "constexprs"
+        kinds = {(r["dtype"], r[c]["HEAD_DIM"], r[c]["GROUP"], r[c]["WINDOW"], r[c]["SOFTCAP"]) for r in mine
+                 if r["kernel"] == kernel and (r[c]["WINDOW"] or r[c]["SOFTCAP"])}
+        assert kinds == KINDS, (kernel, KINDS ^ kinds)
+    halves = {(r["constexprs"]["HALF"], r["constexprs"]["BLOCK_HALF"]) for r in mine if r["kernel"] == "rotary_kernel"}
+    assert (48, 64) in halves and all(h == b for h, b in halves - {(48, 64)})  # Phi-4-mini's rotary, padded
+    assert {r["dtype"] for r in mine if r["kernel"] == "gelu_tanh_and_mul_kernel"} == set(WIDE)
+    for kernel in ("prefill_attention_kernel", "decode_split_kernel"):
         pages = {r["constexprs"]["PAGE"] for r in mine if r["kernel"] == kernel and r["dtype"] == "bf16"
                  and r["constexprs"]["HEAD_DIM"] == 128 and r["constexprs"]["GROUP"] == 4}
         assert pages == set(BLOCK_SIZES), (kernel, pages)
     smol = {r["kernel"] for r in mine if "SmolLM2-135M" in r["models"]}
-    assert smol == KERNELS
+    assert smol == KERNELS - {"gelu_tanh_and_mul_kernel"}  # Gemma's MLP
     bitmask = [r for r in mine if r["kernel"] == "token_bitmask_kernel"]
     assert len(bitmask) == 2  # int32 and int64 rows; fp32 logits of every vocabulary size (all multiples of 16)
     int8 = {(r["dtype"], r["constexprs"]["BLOCK_M"]) for r in mine if r["kernel"] == "int8_gemm_kernel"}
@@ -119,6 +134,25 @@ def test_rms_norm_specialization_is_derived_from_the_wrapper() -> None:
     assert {"hidden", "stride_x", "x_ptr", "out_ptr", "weight_ptr"} <= set(v.divisible_by_16)
     assert v.constexpr_values() == {"HAS_RESIDUAL": False, "BLOCK_R": 4, "BLOCK_H": 1024}
     assert v.option("num_warps") == 4 and v.option("arch") == "sm90"
+
+
+def test_attention_variants_take_any_window_and_cap_without_compiling_again() -> None:
+    # One binary per kernel and (window?, cap?) kind, whatever the window (1, a multiple of 16, large) or the cap.
+    q, cache = torch.zeros(3, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    table, cu = torch.zeros(3, 4, dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    lens = cu[1:]
+    kinds = [(None, None), *((w, c) for w in (None, 1, 16, 4096, 131072) for c in (None, 30.0, 50.0))]
+    with recording() as launches:
+        for window, cap in kinds:
+            triton_ops.prefill_attention(q, cache, cache, table, cu, lens, 0.125, 1, window, cap, tiles="gpu")
+            triton_ops.decode_attention(q, cache, cache, table, lens, 0.125, window, cap, tiles="gpu")
+    spec = Specializer(90)
+    variants = {spec.variant(launch) for launch in launches if launch.kernel.fn.__name__ != "decode_reduce_kernel"}
+    by_kind = {(v.kernel, v.constexpr_values()["WINDOW"], v.constexpr_values()["SOFTCAP"]) for v in variants}
+    assert len(variants) == len(by_kind) == 8
+    for v in variants:
+        assert dict(v.signature)["window"] == "i32" and dict(v.signature)["cap_in"] == "fp32"
+        assert "window" not in v.divisible_by_16 and v.equal_to_1 == ()
 
 
 def test_token_bitmask_specialization_is_derived_from_the_wrapper() -> None:

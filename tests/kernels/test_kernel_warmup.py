@@ -5,6 +5,7 @@ would key them on an sm_90 GPU: after warm-up, nothing compiles while serving.""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from tritium.backend import LLM, SamplingParams
 from tritium.kernels import reference, triton_ops
-from tritium.kernels.compile_check import MODELS, Launch, ModelShape, Specializer, Variant, recording
+from tritium.kernels.compile_check import MODELS, WIDE_MODELS, Launch, ModelShape, Specializer, Variant, recording
 from tritium.kernels.decode_attention import SPLIT_CHOICES
 from tritium.kernels.token_bitmask import apply_token_bitmask
 from tritium.kernels.warmup import EngineShape, warm_up, warmup_calls
@@ -29,6 +30,21 @@ def test_warm_up_with_the_reference_ops() -> None:
 
 def test_warm_up_with_the_triton_ops_under_the_interpreter() -> None:
     assert warm_up(triton_ops, TINY) == 8 + len(SPLIT_CHOICES)
+
+
+# Gemma 2's kinds: sliding and full layers, both soft-capped; GELU; and q/k norm (Gemma 3's, Qwen3's).
+GEMMA = replace(TINY, windows=(None, 8), softcap=30.0, activation="gelu_tanh_and_mul", qk_norm=True)
+
+
+@pytest.mark.parametrize("ops", [reference, triton_ops], ids=["reference", "triton"])
+def test_warm_up_launches_each_attention_kind_the_activation_and_the_qk_norm(ops) -> None:  # type: ignore[no-untyped-def]
+    splits = len(SPLIT_CHOICES) if ops is triton_ops else 1
+    assert warm_up(ops, GEMMA) == 10 + 2 * splits  # prefill twice, rms_norm a third time
+    calls = warmup_calls(GEMMA)
+    attention = {(c.op, c.kwargs["sliding_window"], c.kwargs["softcap"]) for c in calls if "attention" in c.op}
+    assert attention == {(op, w, 30.0) for op in ("prefill_attention", "decode_attention") for w in (None, 8)}
+    assert {c.op for c in calls} >= {"gelu_tanh_and_mul"} and "silu_and_mul" not in {c.op for c in calls}
+    assert [c.args[0].shape for c in calls if c.op == "rms_norm"][-1] == (2 * 4, 32)  # q's rows of head_dim
 
 
 def test_the_warm_up_applies_the_token_bitmask_at_the_vocab_size() -> None:
@@ -68,6 +84,9 @@ def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], p
     v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
     if not fused:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if model.qk_norm:  # per head, on rows of head_dim (copies of the views)
+        triton_ops.rms_norm(q.reshape(n * h, d), weight[:d], 1e-6, tiles="gpu")
+        triton_ops.rms_norm(k, weight[:d], 1e-6, tiles="gpu")
     cos_sin_cache = torch.zeros(4096, model.rotary_dim)
     triton_ops.rotary_embedding(q, k, stage(n), cos_sin_cache, tiles="gpu")
     key_cache = torch.zeros(64, block, kvh, d, dtype=dtype)
@@ -79,7 +98,9 @@ def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], p
         tables = table.index_select(0, torch.zeros(nd, dtype=torch.int64))[:, :width]
         seq_lens = stage(nd)
         seq_lens.copy_(torch.tensor(decode_lens))
-        triton_ops.decode_attention(q[:nd], key_cache, value_cache, tables, seq_lens, 0.1, tiles="gpu")
+        for window in model.windows:
+            triton_ops.decode_attention(q[:nd], key_cache, value_cache, tables, seq_lens, 0.1, window, model.softcap,
+                                        tiles="gpu")
     if prefill:
         width = max(-(-c // block) for _, c in prefill)
         tables = table.index_select(0, torch.zeros(len(prefill), dtype=torch.int64))[:, :width]
@@ -87,9 +108,10 @@ def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], p
         cu.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()]))
         seq_lens = stage(len(prefill))
         seq_lens.copy_(torch.tensor([c for _, c in prefill]))
-        triton_ops.prefill_attention(q[nd:], key_cache, value_cache, tables, cu, seq_lens, 0.1, max(q_lens),
-                                     tiles="gpu")
-    triton_ops.silu_and_mul(torch.zeros(n, 2 * model.intermediate, dtype=dtype), tiles="gpu")
+        for window in model.windows:
+            triton_ops.prefill_attention(q[nd:], key_cache, value_cache, tables, cu, seq_lens, 0.1, max(q_lens),
+                                         window, model.softcap, tiles="gpu")
+    getattr(triton_ops, model.activation)(torch.zeros(n, 2 * model.intermediate, dtype=dtype), tiles="gpu")
     # Structured output: some of the step's sampled rows constrained, their logits rows staged like the
     # other step inputs (int32) or given as int64; the bitmask is as wide as the grammar engine's tokenizer
     # (not always V / 32) and may be rows of a persistent buffer.
@@ -109,7 +131,9 @@ def variants(launches: list[Launch]) -> set[Variant]:
     return {spec.variant(launch) for launch in launches}
 
 
-@pytest.mark.parametrize("model", [MODELS[0], MODELS[4]], ids=lambda m: m.name)
+# The default model, Llama-2-7B, and the families with kernels of their own: Gemma 3 and 2 (windows, caps, GELU,
+# head_dim 256), Qwen3 (q/k norm at head_dim 128), Phi-4-mini (rotary over 96 features).
+@pytest.mark.parametrize("model", [MODELS[0], MODELS[4], *WIDE_MODELS[1:]], ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_serving_launches_nothing_the_warm_up_did_not_compile(model: ModelShape, dtype: torch.dtype) -> None:
     with recording() as warm:

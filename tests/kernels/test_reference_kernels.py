@@ -85,3 +85,24 @@ def test_rotary_matches_transformers() -> None:
 def test_silu_and_mul() -> None:
     x = torch.randn(3, 10)
     torch.testing.assert_close(ref.silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+@pytest.mark.parametrize("window", [1, 15, 16, 40])
+def test_windowed_decode_reads_only_the_blocks_holding_the_window(window: int) -> None:
+    """The CPU path's decode with a window: pages wholly before each sequence's window are poisoned (NaN) and
+    never read, and the result is the dense window's attention."""
+    lens = [3, 37, 90, 64]
+    kc, vc, tables, dense_k, dense_v = paged_setup(lens, 16, 2, 32, seed=3)
+    used = [-(-n // 16) for n in lens]
+    spare = (set(range(kc.shape[0])) - {int(b) for i, n in enumerate(used) for b in tables[i, :n]}).pop()
+    for i, n in enumerate(used):
+        tables[i, n:] = spare  # the padding points at a page no sequence owns (paged_setup's is block 0)
+    q = torch.randn(len(lens), 4, 32)
+    want = torch.stack([dense_attention(q[i : i + 1], dense_k[i][-window:], dense_v[i][-window:], 32**-0.5)[0]
+                        for i in range(len(lens))])
+    for i, n in enumerate(lens):
+        for page in range(max(n - window, 0) // 16):
+            kc[tables[i, page]] = float("nan")
+            vc[tables[i, page]] = float("nan")
+    got = ref.decode_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 32**-0.5, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
