@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -71,25 +72,30 @@ def bench_family(path: Path, prompts: list[list[int]], output_len: int) -> dict[
 
 
 def decode_ms(path: Path, contexts: list[int], new_tokens: int) -> list[float]:
-    """ms per decode token of one sequence after a prompt of each length in `contexts`: (generating 1 + new_tokens
-    tokens minus generating 1) / new_tokens, prefix caching off so both compute the prompt."""
-    llm = LLM(str(path), max_num_seqs=1, max_model_len=max(contexts) + new_tokens + 1, enable_prefix_caching=False,
+    """ms per decode step of one sequence after a prompt of each length in `contexts`: the median of `new_tokens`
+    engine steps timed once the prompt is computed."""
+    llm = LLM(str(path), max_num_seqs=1, max_model_len=max(contexts) + new_tokens + 2, enable_prefix_caching=False,
               max_num_batched_tokens=2048)
+    engine = llm.engine
     out = []
-    for context in contexts:
+    for i, context in enumerate(contexts):
         prompt = random_token_prompts(1, context, context)[0]
-        timings = []
-        for tokens in (1, 1 + new_tokens):
+        params = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=params)
+        while not any(o.delta_token_ids for o in engine.step()):  # the prompt, in chunks, until its first token
+            pass
+        steps = []
+        while engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-            timings.append(time.perf_counter() - t0)
-        out.append(1000 * (timings[1] - timings[0]) / new_tokens)
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+        out.append(1000 * statistics.median(steps))
     del llm
     gc.collect()
     return out
 
 
-def run_families_benchmark(num_requests: int = 8, output_len: int = 32, window: int = 512,
+def run_families_benchmark(num_requests: int = 16, output_len: int = 64, window: int = 512,
                            contexts: tuple[int, ...] = (512, 1024, 2048, 4096), new_tokens: int = 32,
                            out_dir: str | Path = "bench_results") -> dict[str, Any]:
     """Run both parts, print their tables, write `families.json` and `families.png`; returns the JSON dict."""
@@ -113,7 +119,7 @@ def run_families_benchmark(num_requests: int = 8, output_len: int = 32, window: 
     for kind, r in families.items():
         print(f"{kind:8} {r['load_s']:7.2f} {r['tokens_per_s']:7.1f} {r['load_s'] / llama['load_s']:13.2f} "
               f"{r['tokens_per_s'] / llama['tokens_per_s']:14.2f}")
-    print(f"\nms per decode token, one sequence ({new_tokens} tokens after the prompt)")
+    print(f"\nmedian ms per decode step, one sequence ({new_tokens} steps after the prompt)")
     print(f"{'context':>8} " + " ".join(f"{name:>12}" for name in windows))
     for i, context in enumerate(contexts):
         print(f"{context:8d} " + " ".join(f"{ms[i]:12.2f}" for ms in windows.values()))

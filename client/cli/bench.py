@@ -114,8 +114,8 @@ def run_spec(args: argparse.Namespace) -> int:
 
 def families_options(p: argparse.ArgumentParser) -> None:
     """`tritium bench families`' options."""
-    options.num_requests(p, 8)
-    options.output_len(p, 32)
+    options.num_requests(p, 16)
+    options.output_len(p, 64)
     p.add_argument("--window", type=int, default=512, help="the windowed Mistral's sliding_window")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                    help="prompt lengths the decode time is measured after")

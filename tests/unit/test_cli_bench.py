@@ -31,7 +31,7 @@ DEFAULTS = {
     "priority": {"model": None, "num_requests": 400, "input_len": 256, "output_len": 128, "request_rate": 32.0,
                  "high_fraction": 0.1, "max_num_seqs": 32, "repeats": 2, "smoke": False, "out_dir": OUT},
     "lora": {"num_requests": 32, "output_len": 128, "input_len": 64, "repeats": 4, "out_dir": OUT},
-    "families": {"num_requests": 8, "output_len": 32, "window": 512, "contexts": [512, 1024, 2048, 4096],
+    "families": {"num_requests": 16, "output_len": 64, "window": 512, "contexts": [512, 1024, 2048, 4096],
                  "out_dir": OUT},
     "spec": {"num_requests": 4, "output_len": 128, "repeats": 2, "num_speculative_tokens": 4, "draft_model": None,
              "draft_layers": None, "smoke": False, "out_dir": OUT},
