@@ -78,7 +78,7 @@ class Step:
     engine: str | None = None
 
 
-STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "2c", "2d", "4", "5")  # in the order they run
+STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "4", "5", "2c", "2d")  # in the order they run
 
 
 def check_kernel_bench(smoke: bool) -> Outcome:
@@ -310,10 +310,10 @@ def _run(opts: Options, selected: list[str], work: Path) -> dict[str, Any]:
         Step("2b", "parity_wide", "parity, hd128 GQA-4", lambda: check_parity(engine("wide"), smoke), "wide"),
         Step("3c", "step_timing_wide", "step time, hd128 GQA-4", lambda: check_step_timing(engine("wide"), smoke),
              "wide"),
-        Step("2c", "parity_qwen3", "parity, Qwen3 hd128", lambda: check_parity(engine("qwen3"), smoke), "qwen3"),
-        Step("2d", "parity_gemma3", "parity, Gemma 3 hd256", lambda: check_parity(engine("gemma3"), smoke), "gemma3"),
         Step("4", "kernel_bench", "kernel benchmark", lambda: check_kernel_bench(smoke)),
         Step("5", "throughput", "offline throughput", lambda: check_throughput(smoke, models.default())),
+        Step("2c", "parity_qwen3", "parity, Qwen3 hd128", lambda: check_parity(engine("qwen3"), smoke), "qwen3"),
+        Step("2d", "parity_gemma3", "parity, Gemma 3 hd256", lambda: check_parity(engine("gemma3"), smoke), "gemma3"),
     ]
     assert [s.number for s in steps] == list(STEP_NUMBERS)
     results: dict[str, StepResult] = {s.number: not_run(s, "not selected (--steps)") for s in steps
