@@ -11,8 +11,9 @@ if TYPE_CHECKING:
     import torch
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", *GEMMA_ARCHITECTURES)
+                           "Phi3ForCausalLM", *GEMMA_ARCHITECTURES, *MOE_ARCHITECTURES, "GptOssForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # every rotary (Gemma 3's two included)
 # A model with one rotary table (layers/rotary.py) takes these too; Phi3 takes default and longrope only.
@@ -113,7 +114,7 @@ def sliding_layers(arch: str, raw: dict[str, Any]) -> tuple[int | None, tuple[st
     """(the sliding window, per-layer attention types) as transformers reads them for `arch`."""
     layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not raw.get("use_sliding_window"):
         window = None
     if not window:
         return None, ()
@@ -129,6 +130,91 @@ def sliding_layers(arch: str, raw: dict[str, Any]) -> tuple[int | None, tuple[st
     if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise ModelFolderError(f"layer_types {types!r}: one of full_attention / sliding_attention per layer")
     return int(window), tuple(types)
+
+
+def moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig MoE fields of a Qwen3-MoE or Mixtral config, as transformers reads them. Raises
+    ModelFolderError naming a setting this code does not run."""
+    qwen3 = arch == "Qwen3MoeForCausalLM"
+    experts = int(raw.get("num_experts", raw.get("num_local_experts", 128 if qwen3 else 8)))
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw.get("num_experts_per_tok", 8 if qwen3 else 2)),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size", 768)) if qwen3 else int(raw["intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)) if qwen3 else True,  # Mixtral always renormalizes
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)) if qwen3 else 1,
+        "mlp_only_layers": tuple(int(i) for i in (raw.get("mlp_only_layers") or ())) if qwen3 else (),
+    }
+    problems = []
+    if experts > 0 and not 0 < fields["num_experts_per_tok"] <= experts:
+        problems.append(f"num_experts_per_tok {fields['num_experts_per_tok']} (supported: 1..{experts})")
+    if fields["decoder_sparse_step"] < 1:
+        problems.append(f"decoder_sparse_step {fields['decoder_sparse_step']} (supported: 1 or more)")
+    if not qwen3 and experts < 1:
+        problems.append(f"num_local_experts {experts} (supported: 1 or more)")
+    for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "n_shared_experts"):
+        if raw.get(key):
+            problems.append(f"{key} {raw[key]} (shared experts are not supported)")
+    if problems:
+        raise ModelFolderError(f"unsupported MoE setting(s): {'; '.join(problems)}")
+    return fields
+
+
+# transformers' GptOssConfig defaults for what a gpt-oss config.json may leave out (gpt-oss-20b's sizes)
+GPT_OSS_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36, "head_dim": 64,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "num_local_experts": 128, "num_experts_per_tok": 4,
+    "sliding_window": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "attention_bias": True,
+    "tie_word_embeddings": False, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+# The clamped SwiGLU's settings that fused_moe's "swiglu_oai" activation computes (kernels/interface.py)
+GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
+
+def gpt_oss_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A gpt-oss `config.json` with transformers' defaults filled in: sizes, layer types (sliding first, then
+    alternating), yarn rope parameters and a rope base of 150000."""
+    raw = GPT_OSS_DEFAULTS | raw
+    if raw.get("layer_types") is None:
+        raw["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                              for i in range(int(raw["num_hidden_layers"]))]
+    if not (raw.get("rope_scaling") or raw.get("rope_parameters")):
+        raw["rope_parameters"] = dict(GPT_OSS_ROPE)
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if "rope_theta" not in raw and "rope_theta" not in params:
+        raw["rope_theta"] = GPT_OSS_ROPE["rope_theta"]
+    return raw
+
+
+def is_mxfp4(raw: dict[str, Any]) -> bool:
+    """Whether a config's weights are MXFP4-quantized (gpt-oss's experts; dequantized at load)."""
+    quant = raw.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+
+
+def gpt_oss_unsupported_features(raw: dict[str, Any]) -> list[str]:
+    """unsupported_features for a gpt-oss config (defaults filled in): its MXFP4 experts are taken, hidden_act is
+    not read (transformers' gpt-oss ignores it), the clamped SwiGLU's settings must be the ones fused_moe computes."""
+    skip = ("hidden_act", "quantization_config") if is_mxfp4(raw) else ("hidden_act",)
+    found = unsupported_features({k: v for k, v in raw.items() if k not in skip})
+    for key, value in GPT_OSS_SWIGLU.items():
+        if float(raw[key]) != value:
+            found.append(f"{key} {raw[key]} (supported: {value}, what the swiglu_oai experts compute)")
+    experts, top_k = int(raw["num_local_experts"]), int(raw["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        found.append(f"num_experts_per_tok {top_k} (supported: 1..{experts}, the num_local_experts)")
+    return found
+
+
+def gpt_oss_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields a gpt-oss config sets beyond the Llama family's: biases on q/k/v and o, sinks, experts
+    (intermediate_size is each expert's)."""
+    bias = bool(raw["attention_bias"])
+    return {"attention_bias": bias, "o_proj_bias": bias, "attention_sinks": True,
+            "num_experts": int(raw["num_local_experts"]), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": int(raw["intermediate_size"])}
 
 
 # transformers' defaults for what a Gemma config.json may leave out, where they differ from the Llama family's
@@ -229,6 +315,23 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # rotary over the first head_dim * this features
     local_rope_theta: float | None = None  # the sliding layers' rotary base, when it differs
     local_rope_scaling: dict[str, Any] | None = None
+    num_experts: int = 0  # mixture of experts (0: a dense MLP in every layer)
+    num_experts_per_tok: int = 0  # the experts each token runs (top k)
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False  # the top k routing weights renormalized to sum to 1
+    decoder_sparse_step: int = 1  # every this-th layer is MoE (Qwen3-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep the dense MLP (Qwen3-MoE)
+    attention_sinks: bool = False  # a learned sink logit per head in every layer's softmax (gpt-oss)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs experts, as transformers' Qwen3MoeDecoderLayer decides (Mixtral: every layer)."""
+        return (self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+                and layer not in self.mlp_only_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer runs experts."""
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full attention)."""
@@ -258,6 +361,9 @@ class ModelConfig:
         if arch in GEMMA_ARCHITECTURES:
             raw = GEMMA_DEFAULTS[arch] | raw
             unsupported = gemma_unsupported_features(arch, raw)
+        elif arch == "GptOssForCausalLM":
+            raw = gpt_oss_config(raw)
+            unsupported = gpt_oss_unsupported_features(raw)
         else:
             unsupported = unsupported_features(raw)
         if unsupported:
@@ -278,9 +384,10 @@ class ModelConfig:
         max_positions = served_context(raw, rope_scaling)
         window, layer_types = sliding_layers(arch, raw)
         # Llama and Qwen3 put attention_bias on q/k/v and o; Qwen2 has q/k/v bias only; Mistral and Phi3 have none.
-        biased = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        biased = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = arch == "Qwen2ForCausalLM" or (arch in biased and bool(raw.get("attention_bias")))
         qwen3 = arch == "Qwen3ForCausalLM"
+        qwen3_moe = arch == "Qwen3MoeForCausalLM"
         config = cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -302,7 +409,14 @@ class ModelConfig:
             mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias")),
             sliding_window=window,
             layer_types=layer_types,
-            qk_norm=qwen3,
+            qk_norm=qwen3 or qwen3_moe,
             partial_rotary_factor=rotary_fraction(raw),
         )
+        if arch == "GptOssForCausalLM":
+            return replace(config, **gpt_oss_fields(raw))
+        if arch in MOE_ARCHITECTURES:
+            try:
+                return replace(config, **moe_fields(arch, raw))
+            except ModelFolderError as exc:
+                raise ModelFolderError(f"{path}: {exc}") from None
         return replace(config, **gemma_fields(arch, raw)) if arch in GEMMA_ARCHITECTURES else config

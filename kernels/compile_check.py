@@ -10,7 +10,8 @@ Identical variants are compiled once (ASTSource + triton.compile), then the ptxa
 runs with -v on the PTX.
 
 Coverage (`coverage`): the eight MODELS (GQA 1/3/4/8, head_dim 64/128) in fp16, bf16 and fp32 at block size
-16; in bf16 also head_dim 32 and 256 (WIDE_MODELS) and block sizes 8-128 at head_dim 128; `--full` takes every
+16; in bf16 also head_dim 32 and 256 (WIDE_MODELS) and block sizes 8-128 at head_dim 128; the MoE models' fused_moe
+(MOE_MODELS) in bf16 and fp16; `--full` takes every
 model, dtype and block size, sm_86/sm_89 compiled too (1,832 variants: five times the compiles).
 
 Shared memory: each variant's `shared` (the compiled kernel's metadata: what the launch asks for) is compared
@@ -76,6 +77,12 @@ class ModelShape(NamedTuple):
     softcap: float | None = None
     activation: str = "silu_and_mul"
     qk_norm: bool = False
+    sinks: bool = False  # attention sinks in every layer (gpt-oss)
+    experts: int = 0  # a mixture-of-experts MLP's experts (0: a dense MLP), top_k of them per token
+    top_k: int = 0
+    moe_intermediate: int = 0
+    moe_activation: str = "silu"
+    moe_bias: bool = False
 
     def engine_shape(self, dtype: Any, block_size: int, max_blocks_per_seq: int) -> Any:
         """The warm-up's `EngineShape` of an engine serving this model on CPU tensors."""
@@ -84,7 +91,9 @@ class ModelShape(NamedTuple):
         return EngineShape(self.heads, self.kv_heads, self.head_dim, self.hidden, self.intermediate, self.rotary_dim,
                            block_size, max_blocks_per_seq, dtype, vocab_size=self.vocab, quantization="int8",
                            lora_rank=16, windows=self.windows, softcap=self.softcap, activation=self.activation,
-                           qk_norm=self.qk_norm)
+                           qk_norm=self.qk_norm, sinks=self.sinks, num_experts=self.experts, moe_top_k=self.top_k,
+                           moe_intermediate=self.moe_intermediate, moe_activation=self.moe_activation,
+                           moe_bias=self.moe_bias)
 
 
 # The default model and Llama/Qwen shapes covering GQA groups 1, 3, 4, 8 at head_dim 64 and 128, with their
@@ -102,7 +111,8 @@ MODELS = (
 # head_dim 32 (a made-up GQA-4 shape with Llama-3.2-1B's other sizes) and the families with their own kernel
 # variants: Gemma 3 (head_dim 256, sliding and full layers, GELU, q/k norm), Gemma 2 (and soft-capped attention;
 # head_dim 256 and 128), Qwen3 (head_dim 128 with a smaller hidden size, GQA 2, q/k norm), Phi-4-mini (rotary over
-# 96 of 128 features); compiled in bf16 and fp16 by default and in every dtype by --full.
+# 96 of 128 features), gpt-oss-20b (attention sinks, sliding 128 and full layers); compiled in bf16 and fp16 by
+# default and in every dtype by --full.
 WIDE_MODELS = (
     ModelShape("head_dim-32", 2048, 64, 16, 32, 8192, 32, 128256),
     ModelShape("Gemma-3-1B", 1152, 4, 1, 256, 6912, 256, 262144, (None, 512), None, "gelu_tanh_and_mul", True),
@@ -110,8 +120,18 @@ WIDE_MODELS = (
     ModelShape("Gemma-2-27B", 4608, 32, 16, 128, 36864, 128, 256000, (None, 4096), 50.0, "gelu_tanh_and_mul"),
     ModelShape("Qwen3-0.6B", 1024, 16, 8, 128, 3072, 128, 151936, qk_norm=True),
     ModelShape("Phi-4-mini", 3072, 24, 8, 128, 8192, 96, 200064),
+    ModelShape("gpt-oss-20b", 2880, 64, 8, 64, 2880, 64, 201088, (None, 128), sinks=True),
 )
 WIDE_DTYPES = ("bf16", "fp16")
+# Mixture-of-experts models (fused_moe, in WIDE_DTYPES): 128 experts top-8 of 768 (Qwen3-30B-A3B), 8 top-2 of
+# 14336 (Mixtral-8x7B), 128 top-4 of 2880 with swiglu_oai and biases (gpt-oss-120b: over 2^31 weight elements).
+MOE_MODELS = (
+    ModelShape("Qwen3-30B-A3B", 2048, 32, 4, 128, 6144, 128, 151936, qk_norm=True, experts=128, top_k=8,
+               moe_intermediate=768),
+    ModelShape("Mixtral-8x7B", 4096, 32, 8, 128, 14336, 128, 32000, experts=8, top_k=2, moe_intermediate=14336),
+    ModelShape("gpt-oss-120b", 2880, 64, 8, 64, 2880, 64, 201088, (None, 128), sinks=True, experts=128, top_k=4,
+               moe_intermediate=2880, moe_activation="swiglu_oai", moe_bias=True),
+)
 # The model at which the default run compiles block sizes other than BLOCK_SIZE (in bf16): head_dim 128, GQA 4,
 # the attention tiles that need the most shared memory.
 BLOCK_SIZE_MODEL = MODELS[6]
@@ -129,9 +149,9 @@ class Case:
 def coverage(full: bool = False) -> list[Case]:
     """The engine configurations the check compiles: see the module docstring."""
     if full:
-        return [Case(m, d, b) for b in BLOCK_SIZES for d in DTYPES for m in (*MODELS, *WIDE_MODELS)]
+        return [Case(m, d, b) for b in BLOCK_SIZES for d in DTYPES for m in (*MODELS, *WIDE_MODELS, *MOE_MODELS)]
     cases = [Case(m, d, BLOCK_SIZE) for d in DTYPES for m in MODELS]
-    cases += [Case(m, d, BLOCK_SIZE) for d in WIDE_DTYPES for m in WIDE_MODELS]
+    cases += [Case(m, d, BLOCK_SIZE) for d in WIDE_DTYPES for m in (*WIDE_MODELS, *MOE_MODELS)]
     cases += [Case(BLOCK_SIZE_MODEL, "bf16", b) for b in BLOCK_SIZES if b != BLOCK_SIZE]
     return cases
 
@@ -260,7 +280,8 @@ class Specializer:
             attrs=tuple((path, tuple(tuple(a) for a in values)) for path, values in attrs.items()),
             options=tuple(sorted(options.__dict__.items())),
             divisible_by_16=tuple(names[p[0]] for p, values in attrs.items() if ["tt.divisibility", 16] in values),
-            equal_to_1=tuple(names[p[0]] for p in constexprs if not jit.params[p[0]].is_constexpr),
+            equal_to_1=tuple(names[p[0]] for p, value in constexprs.items()  # (a None argument is constexpr too)
+                             if not jit.params[p[0]].is_constexpr and value == 1),
         )
 
 
@@ -385,11 +406,12 @@ def _build(found: dict[Variant, CompileResult], variants: list[Variant], pool: P
 
 
 def run_check(archs: list[int], jobs: int, kernels: list[str] | None = None, full: bool = False) -> list[CompileResult]:
-    """Compile every variant of `coverage(full)` for `archs` (only those of `kernels`, kernel function names, if
-    given). Without `full`, an architecture of SAME_LOWERING whose twin is in `archs` is derived from it."""
+    """Compile every variant of `coverage(full)` for `archs` (only those of `kernels`, kernel function names or
+    jit module names, if given). Without `full`, an architecture of SAME_LOWERING whose twin is in `archs` is
+    derived from it."""
     found = collect(archs, coverage(full))
     if kernels:
-        found = {v: r for v, r in found.items() if v.kernel in kernels}
+        found = {v: r for v, r in found.items() if v.kernel in kernels or v.module.rsplit(".", 1)[-1] in kernels}
     twins = {} if full else {a: b for a, b in SAME_LOWERING.items() if a in archs and b in archs}
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         _build(found, [v for v in found if v.arch not in twins], pool)
@@ -412,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--kernel", nargs="+", metavar="NAME",
-                        help="only these kernels (function names, e.g. token_bitmask_kernel)")
+                        help="only these kernels (function names, e.g. token_bitmask_kernel, or the jit module "
+                             "that holds them, e.g. fused_moe)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile for GPUs", file=sys.stderr)

@@ -24,6 +24,10 @@ Sliding windows and soft-capping are constexpr switches (WINDOW, SOFTCAP) as in 
 kernels/prefill_attention.py); the window size is a `do_not_specialize` int. With a window the split count is
 chosen for the window's keys (no more than the block table holds), and each sequence's segments cover only the key
 tiles of its window: the work per sequence stops growing once its context passes the window.
+
+Attention sinks (gpt-oss) are a constexpr switch of the reduce kernel only (SINKS; without sinks the pointer is None,
+a constexpr never read): the segments' partial outputs and log-sum-exps are those of the plain softmax, and the merge
+adds each head's sink logit to the denominator once, whatever the split count.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import triton
 
 from tritium.kernels.decode_configs import DecodeConfig, default_decode_config, tuned_decode_config
 from tritium.kernels.jit.decode_attention import decode_reduce_kernel, decode_split_kernel
-from tritium.kernels.scores import check_window_and_cap, score_scales
+from tritium.kernels.scores import check_sinks, check_window_and_cap, score_scales
 from tritium.kernels.tiles import use_gpu_tiles
 
 MIN_ROWS = 16
@@ -88,6 +92,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: str = "auto",
     config: DecodeConfig | None = None,
@@ -99,6 +104,7 @@ def decode_attention(
     `config` overrides it (gpu-check's sweep). `q` may be a strided view (rows of a fused qkv output)."""
     check_window_and_cap(sliding_window, softcap)
     num_seqs, num_heads, head_dim = q.shape
+    check_sinks(sinks, num_heads)
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -126,7 +132,7 @@ def decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     decode_reduce_kernel[(num_seqs, num_heads)](
-        partial_out, partial_lse, out, num_heads, splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(splits), num_warps=4, num_stages=1,
+        partial_out, partial_lse, out, sinks, num_heads, splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(splits), SINKS=sinks is not None, num_warps=4, num_stages=1,
     )
     return out

@@ -24,18 +24,20 @@ class KernelOps(Protocol):
     def prefill_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                           scale: float, max_query_len: int | None = None, sliding_window: int | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of packed query rows (sequence i: rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, the
         last positions of a context of `seq_lens[i]` cached tokens). Returns q's shape and dtype.
         `sliding_window` W: a query at position p sees keys p - W < k <= p only; `softcap` c: scores (scaled)
-        become c * tanh(score / c) before the softmax."""
+        become c * tanh(score / c) before the softmax; `sinks` fp32 `[num_heads]`: a logit per head that joins
+        the softmax's denominator and attends to nothing (gpt-oss)."""
         ...
 
     def decode_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query row per sequence `[num_seqs, num_heads, head_dim]` against its paged context (its last
-        `sliding_window` keys when set); `softcap` as in prefill_attention."""
+        `sliding_window` keys when set); `softcap` and `sinks` as in prefill_attention."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -91,7 +93,19 @@ class KernelOps(Protocol):
         (-1: the row is not touched)."""
         ...
 
+    def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Mixture-of-experts MLP: `hidden` `[T, H]`; expert e's gate and up projections `w13[e]` `[2I, H]` (gate
+        rows first), its down projection `w2[e]` `[H, I]`; each token's `topk_ids` int32 `[T, K]` with fp32
+        `topk_weights` `[T, K]`. Returns `[T, H]` in hidden's dtype: sum over k of topk_weights[t, k] *
+        (w2[e] @ act(w13[e] @ h + w13_bias[e]) + w2_bias[e]), e = topk_ids[t, k], fp32 accumulation. `activation`:
+        "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above at 7, up to [-7, 7],
+        gate * sigmoid(1.702 * gate) * (up + 1))."""
+        ...
 
+
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 OP_NAMES = ("store_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
             "gelu_tanh_and_mul", "apply_token_bitmask", "int8_gemm", "lora_shrink", "lora_expand", "lora_shrink_rows",
-            "lora_expand_rows")
+            "lora_expand_rows", "fused_moe")

@@ -28,6 +28,10 @@ window: those wholly before it are skipped (the work per tile is bounded by the 
 that hold a window's start are masked, the rest as without a window. The cap is applied to the scaled scores
 before the online softmax, which works in the exp2 domain: c * tanh(s * scale / c) * log2(e), so the kernel takes
 scale / c and c * log2(e) in place of scale * log2(e).
+
+Attention sinks (gpt-oss) are a third constexpr switch (SINKS; without sinks the pointer is None, a constexpr the kernel
+never reads): after the last key tile each row's head's sink logit joins the online softmax's denominator, so it is
+counted once per row whatever tiles were visited.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch
 import triton
 
 from tritium.kernels.jit.prefill_attention import prefill_attention_kernel
-from tritium.kernels.scores import check_window_and_cap, score_scales
+from tritium.kernels.scores import check_sinks, check_window_and_cap, score_scales
 from tritium.kernels.tiles import use_gpu_tiles
 
 
@@ -74,6 +78,7 @@ def prefill_attention(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     tiles: str = "auto",
 ) -> torch.Tensor:
     """Same contract as `reference.prefill_attention`. `max_query_len` (the longest query run) sizes
@@ -82,6 +87,7 @@ def prefill_attention(
     fused qkv output)."""
     check_window_and_cap(sliding_window, softcap)
     num_tokens, num_heads, head_dim = q.shape
+    check_sinks(sinks, num_heads)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -96,11 +102,11 @@ def prefill_attention(
     grid = (triton.cdiv(max_query_len * group, cfg.block_m), num_seqs, num_kv_heads)
     scale_log2e, cap_in = score_scales(scale, softcap)
     prefill_attention_kernel[grid](
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out, sinks,
         scale_log2e, cap_in, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page,
-        WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
+        WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

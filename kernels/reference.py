@@ -51,6 +51,7 @@ def prefill_attention(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query rows against their paged contexts.
 
@@ -58,7 +59,7 @@ def prefill_attention(
     they are the last positions of a context of `seq_lens[i]` tokens whose K/V are already cached.
     Returns `[num_tokens, num_heads, head_dim]` in `q`'s dtype. `max_query_len` is only a launch hint for the
     Triton kernel. A query at position p sees keys p - sliding_window < k <= p; `softcap` caps the scaled scores
-    (c * tanh(s / c)).
+    (c * tanh(s / c)); `sinks` fp32 `[num_heads]`: a logit per head in the softmax's denominator only (gpt-oss).
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -79,13 +80,13 @@ def prefill_attention(
             group = num_heads // num_kv_heads
             ki = ki.repeat_interleave(group, dim=0)
             vi = vi.repeat_interleave(group, dim=0)
-        if num_q == context_len and sliding_window is None and softcap is None:
+        if num_q == context_len and sliding_window is None and softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
         else:
             # Query row j sits at position context_len - num_q + j.
             q_pos = torch.arange(context_len - num_q, context_len, device=q.device)
             mask = visible_keys(q_pos, context_len, sliding_window)
-            o = _attention(qi, ki, vi, mask, scale, softcap)
+            o = _attention(qi, ki, vi, mask, scale, softcap, sinks)
         out[start:end] = o.transpose(0, 1)
     return out
 
@@ -100,13 +101,23 @@ def visible_keys(q_pos: torch.Tensor, context_len: int, sliding_window: int | No
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-               softcap: float | None) -> torch.Tensor:
-    """Masked attention of `[heads, rows, d]` queries; with `softcap` the scores are capped before the softmax."""
-    if softcap is None:
+               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked attention of `[..., heads, rows, d]` queries; with `softcap` the scores are capped before the softmax;
+    `sinks` `[heads]` join each row's softmax as one more logit whose probability is dropped (transformers'
+    gpt-oss eager attention: the max over scores and sink subtracted first)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = logits.softmax(dim=-1)[..., :-1]
     return (probs @ v.float()).to(q.dtype)
 
 
@@ -119,9 +130,11 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row per sequence `[num_seqs, num_heads, head_dim]` against its paged context (the last
-    `sliding_window` keys when set, reading only the blocks that hold them; `softcap` as in prefill_attention).
+    `sliding_window` keys when set, reading only the blocks that hold them; `softcap` and `sinks` as in
+    prefill_attention).
 
     Returns `[num_seqs, num_heads, head_dim]` in `q`'s dtype. Computes in fp32.
     """
@@ -147,13 +160,13 @@ def decode_attention(
     visible = keys < lens
     if sliding_window is not None:
         visible &= keys >= lens - sliding_window
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v, attn_mask=visible, scale=scale,
                                              enable_gqa=num_kv_heads != num_heads)
         return out.squeeze(2).to(q.dtype)
     group = num_heads // num_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return _attention(q.float().unsqueeze(2), k, v, visible, scale, softcap).squeeze(2).to(q.dtype)
+    return _attention(q.float().unsqueeze(2), k, v, visible, scale, softcap, sinks).squeeze(2).to(q.dtype)
 
 
 def rms_norm(
@@ -316,3 +329,40 @@ def lora_expand_rows(buffer: torch.Tensor, lora_b: torch.Tensor, row_slots: torc
     for t, slot in enumerate(row_slots.tolist()):
         if slot >= 0:
             y[t] = (y[t].float() + lora_b[slot].float() @ buffer[t].float()).to(y.dtype)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixture-of-experts MLP (kernels/interface.py): tokens grouped by expert, one GEMM pair per expert that got
+    tokens (never a loop over idle experts or over tokens); fp32 accumulation, returns hidden's dtype."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat = topk_ids.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = order // top_k  # each (token, k) pair's token, grouped by expert
+    weights = topk_weights.reshape(-1)[order].float()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = rows[start : start + count]
+        x = hidden.index_select(0, tokens)
+        gate_up = F.linear(x, w13[expert], None if w13_bias is None else w13_bias[expert]).float()
+        act = moe_activation(gate_up, activation).to(hidden.dtype)
+        y = F.linear(act, w2[expert], None if w2_bias is None else w2_bias[expert]).float()
+        out.index_add_(0, tokens, y * weights[start : start + count, None])
+        start += count
+    return out.to(hidden.dtype)
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`[..., 2I] -> [..., I]` (gate half first) for fused_moe's `activation`. Raises ValueError for another."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    raise ValueError(f"unsupported MoE activation {activation!r} (supported: silu, swiglu_oai)")

@@ -1,6 +1,8 @@
-"""What the attention kernels take for the softmax scale, a soft cap and a sliding window (host side)."""
+"""What the attention kernels take for the softmax scale, a soft cap, a sliding window and sinks (host side)."""
 
 from __future__ import annotations
+
+import torch
 
 LOG2E = 1.4426950408889634
 
@@ -19,3 +21,9 @@ def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
     if softcap is None:
         return scale * LOG2E, 0.0
     return softcap * LOG2E, scale / softcap
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Raise ValueError unless `sinks` is None or an fp32 tensor of `num_heads` logits."""
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be fp32 [num_heads={num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")

@@ -10,11 +10,13 @@ cu_seqlens int32, positions and slots `index_dtype` (int32, as the engine stages
 int32 or int64 (the contract takes both), so both variants are built. An int8-quantized engine
 (`EngineShape.quantization`) also builds the W8A16 GEMM at its projections' sizes (`int8_gemm_calls`); a LoRA
 engine (`EngineShape.lora_rank`) the LoRA shrink / expand at each target module's sizes (`lora_calls`; the decode
-graphs' per-row form is also built by their capture).
+graphs' per-row form is also built by their capture); a mixture-of-experts engine (`EngineShape.num_experts`) the
+fused MoE kernel once per tile configuration it can pick (`moe_calls`).
 The attention kernels are launched once per attention kind the layers use (`EngineShape.windows`: full and / or
-a sliding window; each with the engine's soft cap, if any), the MLP's activation is the engine's
-(`EngineShape.activation`), and a model that norms q and k per head (`EngineShape.qk_norm`) also builds RMSNorm at
-head_dim. `tritium.kernels.compile_check` compiles exactly these calls for sm_80/sm_90.
+a sliding window; each with the engine's soft cap and its sinks (`EngineShape.sinks`), if any), the MLP's
+activation is the engine's (`EngineShape.activation`), and a model that norms q and k per head
+(`EngineShape.qk_norm`) also builds RMSNorm at head_dim. `tritium.kernels.compile_check` compiles exactly these
+calls for sm_80/sm_90.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from tritium.kernels.decode_attention import SPLIT_CHOICES
 from tritium.kernels.interface import KernelOps
+from tritium.kernels.moe_configs import config_row_counts
 
 
 @dataclass
@@ -62,6 +65,12 @@ class EngineShape:
     softcap: float | None = None  # the attention logits' soft cap (every layer's)
     activation: str = "silu_and_mul"  # the MLP's op: "silu_and_mul" or "gelu_tanh_and_mul"
     qk_norm: bool = False  # RMSNorm over each head of q and k (rows of head_dim)
+    num_experts: int = 0  # a mixture-of-experts model's experts per layer (0: a dense MLP): fused_moe
+    moe_top_k: int = 0  # experts per token
+    moe_intermediate: int = 0  # each expert's intermediate size
+    moe_activation: str = "silu"  # fused_moe's activation: "silu" or "swiglu_oai"
+    moe_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    sinks: bool = False  # every layer's attention has sink logits (gpt-oss): the attention kernels' sink variants
 
 
 def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT_CHOICES) -> list[OpCall]:
@@ -90,7 +99,8 @@ def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT
     scale = head_dim**-0.5
     logits = torch.zeros(tokens, shape.vocab_size, dtype=torch.float32, device=dev)
     bitmask = torch.full((1, -(-shape.vocab_size // 32)), -1, dtype=torch.int32, device=dev)  # all allowed
-    attention = [{"sliding_window": window, "softcap": shape.softcap} for window in shape.windows]
+    sinks = torch.zeros(num_heads, dtype=torch.float32, device=dev) if shape.sinks else None
+    attention = [{"sliding_window": window, "softcap": shape.softcap, "sinks": sinks} for window in shape.windows]
     calls = [
         OpCall("rms_norm", (x, weight, 1e-6)),
         OpCall("rms_norm", (x, weight, 1e-6, x.clone())),
@@ -109,6 +119,8 @@ def warmup_calls(shape: EngineShape, split_choices: Sequence[int | None] = SPLIT
         calls += int8_gemm_calls(shape)
     if shape.lora_rank is not None:
         calls += lora_calls(shape, shape.lora_rank)
+    if shape.num_experts:
+        calls += moe_calls(shape)
     for kinds in attention:
         for splits in split_choices:
             kwargs = kinds if splits is None else {**kinds, "num_splits": splits}
@@ -178,4 +190,27 @@ def lora_calls(shape: EngineShape, max_rank: int, slots: int = 2) -> list[OpCall
                   OpCall("lora_expand", (buffer, b, rows, starts, seg_slots, y, 2)),
                   OpCall("lora_shrink_rows", (x, a, scaling, rows, buffer)),
                   OpCall("lora_expand_rows", (buffer, b, rows, y))]
+    return calls
+
+
+def moe_calls(shape: EngineShape) -> list[OpCall]:
+    """fused_moe at the model's expert sizes (kept small by `_same_specialization`), activation and biases, once
+    per tile configuration kernels/moe_configs.py can pick: at a token count giving each configuration's rows per
+    expert (the smallest t with cdiv(t * K, E) = rows)."""
+    dev = torch.device(shape.device)
+    capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    experts, top_k = shape.num_experts, shape.moe_top_k
+    h, inter = _same_specialization(shape.hidden_size), _same_specialization(shape.moe_intermediate)
+    w13 = torch.zeros(experts, 2 * inter, h, dtype=shape.dtype, device=dev)
+    w2 = torch.zeros(experts, h, inter, dtype=shape.dtype, device=dev)
+    biases = {"w13_bias": torch.zeros(experts, 2 * inter, dtype=shape.dtype, device=dev),
+              "w2_bias": torch.zeros(experts, h, dtype=shape.dtype, device=dev)} if shape.moe_bias else {}
+    calls = []
+    for rows in config_row_counts(capability, shape.dtype):
+        tokens = (rows - 1) * experts // top_k + 1
+        topk_ids = (torch.arange(tokens * top_k, device=dev) % experts).view(tokens, top_k).to(torch.int32)
+        topk_weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=dev)
+        hidden = torch.zeros(tokens, h, dtype=shape.dtype, device=dev)
+        calls.append(OpCall("fused_moe", (hidden, w13, w2, topk_weights, topk_ids),
+                            {"activation": shape.moe_activation, **biases}))
     return calls

@@ -43,29 +43,31 @@ class AttentionBackend:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's K/V, then attend. q: [tokens, heads, d] -> same shape."""
         self.ops.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
-            return self._decode(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
+            return self._decode(q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
         if nd == 0:
-            return self._prefill(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
+            return self._prefill(q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale, sliding_window, softcap)
-        out[nd:] = self._prefill(q[nd:], key_cache, value_cache, meta, scale, sliding_window, softcap)
+        out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
+        out[nd:] = self._prefill(q[nd:], key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
         return out
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None, softcap: float | None,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         return self.ops.decode_attention(q, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                         scale, sliding_window, softcap)
+                                         scale, sliding_window, softcap, sinks)
 
     def _prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                 scale: float, sliding_window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
         return self.ops.prefill_attention(q, key_cache, value_cache, meta.prefill_block_tables,
                                           meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
-                                          meta.prefill_max_query_len, sliding_window, softcap)
+                                          meta.prefill_max_query_len, sliding_window, softcap, sinks)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -105,18 +107,23 @@ def check_attention_backend(config: ModelConfig, backend: str) -> None:
 
 class Attention(nn.Module):
     """One layer's attention over its paged cache; `sliding_window` W: each query sees its last W keys;
-    `softcap`: scores capped by c * tanh(s / c)."""
+    `softcap`: scores capped by c * tanh(s / c); `sinks` `[num_heads]`: the layer's learned sink logits (gpt-oss), a
+    parameter of this module (`attn.sinks`)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend,
-                 sliding_window: int | None = None, softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: nn.Parameter | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
         self.sliding_window = sliding_window
         self.softcap = softcap
+        self.sinks = sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        # The kernels take fp32 sinks; the loader casts every weight to the engine's dtype (a no-op in fp32).
+        sinks = None if self.sinks is None else self.sinks.float()
         return self.backend.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                      self.softcap)
+                                      self.softcap, sinks)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from tritium.backend.model_config import ModelFolderError
 from tritium.backend.models.base import CausalLM
 from tritium.backend.models.gemma import GemmaForCausalLM
+from tritium.backend.models.gpt_oss import GptOssForCausalLM
 from tritium.backend.models.llama import LlamaForCausalLM, Phi3ForCausalLM, Qwen3ForCausalLM
+from tritium.backend.models.mixtral import MixtralForCausalLM
+from tritium.backend.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,6 +18,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

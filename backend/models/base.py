@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from abc import ABCMeta, abstractmethod
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -18,6 +19,7 @@ from tritium.backend.model_config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # every decoder layer's, by these names
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(.+\.experts)\.(\d+)\.(.+)$")  # one expert's tensor
 
 
 class CausalLM(nn.Module, metaclass=ABCMeta):
@@ -44,6 +46,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         "mlp.gate_proj.bias": ("gate_up_proj.bias", 0),
         "mlp.up_proj.bias": ("gate_up_proj.bias", 1),
     }
+    # MoE models: the experts' block ("mlp.experts") and each expert's tensor names -> ours, with the part index of
+    # those fused (gate 0, up 1); the loader stacks the experts.
+    EXPERT_BLOCK: ClassVar[str] = ""
+    EXPERT_WEIGHTS: ClassVar[dict[str, tuple[str, int | None]]] = {}
     quantization: str | None = None  # "int8" or "int4" once quantize_model (quantization.py) has run
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None,
@@ -90,6 +96,22 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return None
 
     @classmethod
+    def expert_key(cls, name: str) -> tuple[str, int, int | None] | None:
+        """(our stacked key, the expert, its part index when fused) for one expert's checkpoint tensor `name`; None
+        when it is not one."""
+        if not cls.EXPERT_WEIGHTS or (m := _EXPERT.match(name)) is None or m.group(2) != cls.EXPERT_BLOCK:
+            return None
+        if (found := cls.EXPERT_WEIGHTS.get(m.group(4))) is None:
+            return None
+        target, part = found
+        return f"layers.{m.group(1)}.{target}", int(m.group(3)), part
+
+    @classmethod
+    def checkpoint_tensors(cls, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) pairs as this model reads them (gpt-oss: MXFP4 experts dequantized)."""
+        return tensors
+
+    @classmethod
     def convert_weight(cls, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as this model stores it under `key` (before the cast to the engine's dtype)."""
         return tensor
@@ -113,9 +135,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_for_cpu(self) -> None:
-        """Swap every projection and the logits head for a CpuPackedLinear (CPU only; see cpu_packing_available)."""
+        """Swap every projection and the logits head for a CpuPackedLinear (CPU only; see cpu_packing_available;
+        experts stay stacked: layers/moe.py)."""
         for layer in self.layers:
             for name in PROJECTIONS:
-                linear = getattr(layer, name)
-                setattr(layer, name, CpuPackedLinear(linear.weight, linear.bias))
+                if (linear := getattr(layer, name, None)) is not None:  # an MoE layer has no dense MLP
+                    setattr(layer, name, CpuPackedLinear(linear.weight, linear.bias))
         self.packed_lm_head = CpuPackedLinear(self.head_weight, None)

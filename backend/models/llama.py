@@ -92,13 +92,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    decoder_layer: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer  # what each layer is (MoE models: theirs)
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None,
                  max_positions: int | None = None) -> None:
         super().__init__(config, backend, max_positions)
         backend = self.backend
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)  # the first features of each head rotate
         self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling, self.max_positions, backend)
-        self.layers.extend(LlamaDecoderLayer(config, i, self.rotary, backend) for i in range(config.num_hidden_layers))
+        self.layers.extend(self.decoder_layer(config, i, self.rotary, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

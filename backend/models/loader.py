@@ -58,6 +58,20 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
+def stack_experts(target: str, pieces: dict[tuple[int, int | None], torch.Tensor], num_experts: int,
+                  folder: Path) -> torch.Tensor:
+    """`[num_experts, ...]` from each expert's tensor (gate and up parts joined). Raises ModelFolderError when one
+    is missing."""
+    fused = any(part is not None for _, part in pieces)
+    wanted = [(e, p) for e in range(num_experts) for p in ((0, 1) if fused else (None,))]
+    if len(pieces) != len(wanted) or any(w not in pieces for w in wanted):
+        raise ModelFolderError(f"model folder {folder}: incomplete expert weights for {target} "
+                               f"({len(pieces)} of {len(wanted)} tensors)")
+    if fused:
+        return torch.stack([torch.cat([pieces[e, 0], pieces[e, 1]], dim=0) for e in range(num_experts)])
+    return torch.stack([pieces[e, None] for e in range(num_experts)])
+
+
 def load_model(
     folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
     quantization: str | None = None, quantization_options: QuantizationOptions | None = None,
@@ -71,6 +85,9 @@ def load_model(
     check_quantization(quantization)
     check_quantization_device(quantization, device)
     config = ModelConfig.from_folder(folder)
+    if quantization is not None and config.is_moe:
+        raise ModelFolderError(f"quantization {quantization!r} of a mixture-of-experts model ({config.architecture}) "
+                               "is not implemented; load it unquantized")
     if max_positions is not None and max_positions > config.max_position_embeddings:
         raise ModelFolderError(
             f"max_model_len {max_positions} exceeds the model's context of {config.max_position_embeddings} tokens"
@@ -81,13 +98,18 @@ def load_model(
         model = cls(config, backend, max_positions=1)
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[tuple[int, int | None], torch.Tensor]] = {}  # stacked key -> (expert, part) -> tensor
     unused: list[str] = []
-    for name, tensor in iter_tensors(files):
+    for name, tensor in cls.checkpoint_tensors(iter_tensors(files)):
         if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         key = cls.checkpoint_key(name)
         if key is None:
-            unused.append(name)
+            if (expert_key := cls.expert_key(name)) is None:
+                unused.append(name)
+            else:
+                target, expert, part = expert_key
+                experts.setdefault(target, {})[expert, part] = cls.convert_weight(target, tensor).to(dtype)
             continue
         target, part = key
         tensor = cls.convert_weight(target, tensor).to(dtype)
@@ -96,7 +118,7 @@ def load_model(
         else:
             parts.setdefault(target, {})[part] = tensor
     expected = set(model.state_dict())
-    unused += sorted(k for k in parts if k not in expected)  # e.g. a bias the config does not announce
+    unused += sorted(k for k in [*parts, *experts] if k not in expected)  # e.g. a bias the config does not announce
     unused += sorted(k for k in state if k not in expected)
     if unused:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
@@ -109,6 +131,8 @@ def load_model(
         if len(pieces) != count:
             raise ModelFolderError(f"model folder {folder}: incomplete weights for {target}")
         state[target] = torch.cat([pieces[i] for i in range(count)], dim=0)
+    for target in list(experts):  # each layer's pieces freed once stacked
+        state[target] = stack_experts(target, experts.pop(target), config.num_experts, folder)
     missing = sorted(expected - state.keys())
     if missing:
         shown = ", ".join(missing[:5])

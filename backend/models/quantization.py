@@ -43,6 +43,9 @@ def quantize_model(model: CausalLM, scheme: str, options: QuantizationOptions | 
     if scheme is None:
         return
     check_quantization_device(scheme, model.embed_tokens.weight.device)
+    if model.config.is_moe:
+        raise ValueError(f"quantization {scheme!r} of a mixture-of-experts model ({model.config.architecture}) is "
+                         "not implemented")
     opts = options or QuantizationOptions()
     head_scheme = opts.head or HEAD_SCHEMES[scheme]
     check_quantization(head_scheme)

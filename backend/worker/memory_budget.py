@@ -80,7 +80,10 @@ def estimate_activation_bytes(config: ModelConfig, num_tokens: int, num_logit_ro
     residual, normed input, q/k/v and copies, attention out, gate/up, SiLU product, down; logits in both dtypes."""
     h, inter = config.hidden_size, config.intermediate_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    per_token = 4 * h + 2 * qkv + config.num_attention_heads * config.head_dim + 3 * inter
+    mlp = 3 * inter
+    if config.num_experts:  # each token's k experts: gate/up, product and down rows; the router's logits; an fp32 sum
+        mlp = max(mlp, config.num_experts_per_tok * (3 * config.moe_intermediate_size + h) + config.num_experts + 2 * h)
+    per_token = 4 * h + 2 * qkv + config.num_attention_heads * config.head_dim + mlp
     logits = num_logit_rows * config.vocab_size * (dtype_bytes + 4)
     return ACTIVATION_SAFETY_FACTOR * (num_tokens * per_token * dtype_bytes + logits)
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import accumulate, pairwise
 
@@ -12,6 +12,7 @@ import torch
 
 from tritium.backend.core.batch import ScheduledSequence
 from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
+from tritium.backend.layers.moe import FusedMoE
 from tritium.backend.layers.rotary import RopeChunk, length_dependent_rotary
 from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups, segment_arrays
 from tritium.backend.lora.weights import LoraBatch, LoraStacks
@@ -23,6 +24,15 @@ from tritium.backend.worker.staging import StagingBuffer
 from tritium.kernels.cpu_lora import load_cpu_lora
 from tritium.kernels.warmup import EngineShape
 from tritium.kernels.warmup import warm_up as warm_up_kernels
+
+
+def with_experts(shape: EngineShape, model: CausalLM) -> EngineShape:
+    """`shape` with the mixture-of-experts fields of the model's experts (unchanged for a dense model)."""
+    moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
+    if moe is None:
+        return shape
+    return replace(shape, num_experts=moe.num_experts, moe_top_k=moe.top_k, moe_intermediate=moe.w13.shape[1] // 2,
+                   moe_activation=moe.activation, moe_bias=moe.w13_bias is not None)
 
 
 def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
@@ -316,8 +326,8 @@ class ModelRunner:
                                 lora_rank=self.lora_stacks.max_rank if self.lora_stacks is not None else None,
                                 windows=tuple(windows), softcap=c.attn_logit_softcapping,
                                 activation="silu_and_mul" if c.hidden_act in ("silu", "swish") else "gelu_tanh_and_mul",
-                                qk_norm=c.qk_norm)
-            warm_up_kernels(self.backend.ops, shape)
+                                qk_norm=c.qk_norm, sinks=c.attention_sinks)
+            warm_up_kernels(self.backend.ops, with_experts(shape, self.model))
         for prefill in warm_up_prefills(max_prefill_tokens, self.max_model_len, self.max_num_seqs,
                                         self.device.type == "cuda"):
             self.execute(self._dummy_step(num_decode=0, prefill=prefill))

@@ -14,7 +14,7 @@ from tritium.backend.core.batch import SchedulerOutput
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.layers.attention import check_attention_backend, get_attention_backend
 from tritium.backend.lora.weights import LoraStacks
-from tritium.backend.model_config import ModelConfig
+from tritium.backend.model_config import ModelConfig, ModelFolderError
 from tritium.backend.models.loader import load_model
 from tritium.backend.sample.sampler import Sampler, SamplerOutput
 from tritium.backend.sample.settings import RowSettings, row_settings_slots
@@ -83,7 +83,11 @@ class Worker:
         threads = set_up_threads(config.num_threads, device.type)
         dtype = config.torch_dtype(device)
         backend = get_attention_backend(config.attention_backend, device)
-        check_attention_backend(ModelConfig.from_folder(model_path), backend.name)  # before the weights load
+        model_config = ModelConfig.from_folder(model_path)
+        check_attention_backend(model_config, backend.name)  # before the weights load
+        if config.enable_lora and model_config.is_moe:
+            raise ModelFolderError(f"enable_lora: LoRA of a mixture-of-experts model ({model_config.architecture}) "
+                                   "is not implemented")
         model = load_model(model_path, dtype, device, config.max_model_len, config.quantization, backend=backend)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
         seqs = config.max_num_seqs

@@ -22,8 +22,8 @@ from typing import Any
 from tqdm import tqdm
 
 from tritium.backend import LLM, SamplingParams
-from tritium.backend.models.random_checkpoint import TOKENIZER_FILES
 from tritium.backend.models.registry import resolve_model
+from tritium.client.bench.checkpoints import save_random_model
 from tritium.client.bench.report import machine_info, pyplot, save_figure, write_report
 from tritium.client.bench.workload import random_token_prompts
 
@@ -32,7 +32,6 @@ FAMILIES = ("llama", "qwen3", "phi3", "gemma2", "gemma3")
 
 def write_family(kind: str, dest: Path, default: Path, **overrides: Any) -> Path:
     """A random `kind` checkpoint at the default model's shape, written by transformers (fp32) with its tokenizer."""
-    import torch
     import transformers
 
     shape = json.loads((default / "config.json").read_text(encoding="utf-8"))
@@ -48,13 +47,7 @@ def write_family(kind: str, dest: Path, default: Path, **overrides: Any) -> Path
         "gemma2": lambda: transformers.Gemma2Config(query_pre_attn_scalar=64, **common),
         "gemma3": lambda: transformers.Gemma3TextConfig(query_pre_attn_scalar=64, **common),
     }
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(configs[kind](), dtype=torch.float32)
-    model.save_pretrained(dest)
-    for name in TOKENIZER_FILES:
-        if (default / name).exists():
-            shutil.copy(default / name, dest / name)
-    return dest
+    return save_random_model(configs[kind](), dest, default)
 
 
 def bench_family(path: Path, prompts: list[list[int]], output_len: int) -> dict[str, float]:

@@ -8,7 +8,8 @@ Steps, each timed and reported pass / fail / skip with its figures (a failed ste
   2b greedy parity          the same on a few random layers of a head_dim-128, GQA-4 shape (Llama-3-8B-like)
   3c step timing            the same on those layers
   4  kernel benchmark       prefill TFLOP/s next to SDPA flash, decode GB/s next to the peak (bench/kernels.py);
-                            LoRA shrink + expand next to the base GEMM they sit beside (checks/kernels.py)
+                            LoRA shrink + expand next to the base GEMM they sit beside (checks/kernels.py);
+                            the fused MoE kernel's tile sweep, its winners printed for kernels/moe_configs.py
   5  offline throughput     tritium next to transformers on the default model (bench/offline.py)
 then the goal verdicts. gpu_check.json and gpu_check.png in --out are rewritten after every step (a run cut
 short leaves what it did, the rest reported "not run"); a one-screen summary is printed at the end.
@@ -45,6 +46,7 @@ from tritium.client.checks.report import FAIL, NOT_RUN, PASS, Outcome, StepResul
 
 DEFAULT_OUT = "bench_results/gpu_check"
 KERNEL_BENCH_BUDGET_S = 100.0
+MOE_SWEEP_BUDGET_S = 45.0  # step 4's fused MoE tile sweep (bench/moe.py)
 GPU_PREFILL_GRID = [(hd, 1, s) for hd in (64, 128) for s in (2048, 4096, 8192, 16384)]
 # the goal's shape (batch 64, 4k context) first, so that a budget cut drops only the curve around it
 GPU_DECODE_GRID = [(hd, 64, 4096) for hd in (64, 128)] + [(hd, b, 4096) for hd in (64, 128) for b in (1, 8, 32)]
@@ -84,6 +86,7 @@ STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "4", "5", "2c", "2d")  # in the
 def check_kernel_bench(smoke: bool) -> Outcome:
     """Step 4: the kernel benchmark on the check's grid (within KERNEL_BENCH_BUDGET_S), or the smoke grid."""
     from tritium.client.bench.kernels import measure_kernels
+    from tritium.client.bench.moe import moe_sweep_figures
     from tritium.client.bench.workload import kernel_grids
     from tritium.client.checks.kernels import time_lora
 
@@ -96,6 +99,10 @@ def check_kernel_bench(smoke: bool) -> Outcome:
         figures["lora"] = time_lora(smoke)
     except Exception as exc:  # the attention figures stand on their own
         figures["lora"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    try:
+        figures["moe"] = moe_sweep_figures(smoke, MOE_SWEEP_BUDGET_S)
+    except Exception as exc:
+        figures["moe"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     timed = f"{len(measured.prefill)} prefill + {len(measured.decode)} decode shapes"
     if smoke:
         summary = f"{timed} under the interpreter (smoke: the numbers mean nothing)"

@@ -8,6 +8,9 @@ head_dim (Phi-4-mini's 96 of 128: halves that are not powers of two). In smoke m
 default layout with a few tokens, fp32 and fp16 (the interpreter cannot run `tl.dot` on bf16), GPU tiles when the
 kernels take `tiles`. Attention is compared with the reference computed in fp32 from the same inputs.
 
+Fused MoE (kernels/fused_moe.py): 8 experts, top-2, at the layout's hidden and intermediate sizes (64 and 64 in
+smoke mode), silu without biases and swiglu_oai (gpt-oss) with them.
+
 LoRA (kernels/lora.py): the segmented shrink + expand over four adapters (rank 16, a q-sized slice of the fused
 qkv output) and the per-row form (a slot per row, some -1), against the references. `time_lora` (run by step 4,
 the kernel benchmark) times each form next to the base GEMM it sits beside (the module's `x @ W^T`).
@@ -252,6 +255,25 @@ def _lora_rows(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype
     return max(err_buf, err), ok_buf and ok
 
 
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+
+
+def _fused_moe(activation: str, bias: bool) -> Callable[..., tuple[float, bool]]:
+    def run(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype, device: str) -> tuple[float, bool]:
+        # the layout's hidden and intermediate sizes on CUDA, 64 and 64 under the interpreter; 8 experts, top-2
+        h, inter = (lay.hidden, lay.intermediate) if device == "cuda" else (64, 64)
+        e = MOE_EXPERTS
+        hidden = torch.randn(sizes.tokens, h, device=device).to(dtype)
+        w13 = (torch.randn(e, 2 * inter, h, device=device) * h**-0.5).to(dtype)
+        w2 = (torch.randn(e, h, inter, device=device) * inter**-0.5).to(dtype)
+        weights, topk_ids = torch.randn(sizes.tokens, e, device=device).softmax(-1).topk(MOE_TOP_K)
+        biases = ((torch.randn(e, 2 * inter, device=device).to(dtype), torch.randn(e, h, device=device).to(dtype))
+                  if bias else (None, None))
+        args = (hidden, w13, w2, weights, topk_ids.to(torch.int32), activation, *biases)
+        return _compare(tri.fused_moe(*args, **tile_kwargs(tri.fused_moe)), ref.fused_moe(*args), dtype)
+    return run
+
+
 OPS: dict[str, Callable[..., tuple[float, bool]]] = {
     "store_kv": _store_kv,
     "rms_norm": _rms_norm(residual=False),
@@ -270,6 +292,8 @@ OPS: dict[str, Callable[..., tuple[float, bool]]] = {
     "decode_attention+window+softcap": _decode(window=True, softcap=True),
     "lora_segmented": _lora_segmented,
     "lora_rows": _lora_rows,
+    "fused_moe": _fused_moe("silu", bias=False),
+    "fused_moe swiglu_oai+bias": _fused_moe("swiglu_oai", bias=True),
 }
 
 

@@ -122,12 +122,11 @@ class CheckModels:
 
     def _write_family(self, kind: str) -> str:
         import json
-        import shutil
 
         import torch
         import transformers
 
-        from tritium.backend.models.random_checkpoint import CONFIG_FILES, TOKENIZER_FILES
+        from tritium.client.bench.checkpoints import save_random_model
 
         source = self._source()
         base = json.loads((source / "config.json").read_text(encoding="utf-8"))
@@ -138,14 +137,7 @@ class CheckModels:
         cuda = torch.cuda.is_available() and not self.smoke
         dtype = torch.bfloat16 if cuda else torch.float32
         t0 = time.perf_counter()
-        with torch.device("cuda" if cuda else "cpu"):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        dest = self.work_dir / f"random-{kind}"
-        model.save_pretrained(dest)
-        del model
-        for name in (*TOKENIZER_FILES, *CONFIG_FILES):
-            if (source / name).exists() and name != "generation_config.json":
-                shutil.copy(source / name, dest / name)
+        dest = save_random_model(config, self.work_dir / f"random-{kind}", source, dtype, "cuda" if cuda else "cpu")
         self.log[kind] = {"kind": "random weights (transformers' initialization)", "path": str(dest),
                           "tokenizer_from": str(source), "shape": shape, "dtype": str(dtype).removeprefix("torch."),
                           "built_s": time.perf_counter() - t0}

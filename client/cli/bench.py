@@ -131,6 +131,24 @@ def run_families(args: argparse.Namespace) -> int:
     return 0
 
 
+def moe_cpu_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench moe-cpu`'s options."""
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size (their median)")
+    options.num_requests(p, 16, help="requests of the tiny families' tokens/s run")
+    options.output_len(p, 64)
+    options.out_dir(p)
+
+
+def run_moe_cpu(args: argparse.Namespace) -> int:
+    """bench/moe_cpu.py; returns 0."""
+    from tritium.client.bench.moe_cpu import run_moe_cpu_benchmark
+
+    run_moe_cpu_benchmark(batches=tuple(args.batches), steps=args.steps, num_requests=args.num_requests,
+                          output_len=args.output_len, out_dir=args.out_dir)
+    return 0
+
+
 def structured_options(p: argparse.ArgumentParser) -> None:
     """`tritium bench structured`'s options."""
     options.num_requests(p, 32, help="requests submitted at once")
@@ -179,6 +197,15 @@ def run_kernels(args: argparse.Namespace) -> int:
     from tritium.client.bench.kernels import run_kernel_benchmark
 
     run_kernel_benchmark(out_dir=args.out_dir, smoke=args.smoke)
+    return 0
+
+
+def run_moe(args: argparse.Namespace) -> int:
+    """bench/moe.py (the same options as `bench kernels`); returns 0. Raises RuntimeError without CUDA (unless
+    --smoke)."""
+    from tritium.client.bench.moe import run_moe_benchmark
+
+    run_moe_benchmark(out_dir=args.out_dir, smoke=args.smoke)
     return 0
 
 
@@ -329,6 +356,8 @@ SCENARIOS = (
     Scenario("grammar-load", "memory of many large schemas; wait of a request behind large compiles",
              grammar_load_options, run_grammar_load),
     Scenario("kernels", "Triton kernels vs torch SDPA / paged gather (CUDA)", kernels_options, run_kernels),
+    Scenario("moe", "the fused MoE kernel vs the per-expert loop, batch 1-512; its tile sweep (CUDA)", kernels_options,
+             run_moe),
     Scenario("overhead", "served / in-process ratios (throughput, ITL) on the tiny and default models",
              overhead_options, run_overhead),
     Scenario("serve", "TTFT / ITL / throughput against a running server (genai-perf metrics)", serve_options,
@@ -343,6 +372,8 @@ SCENARIOS = (
              run_lora),
     Scenario("families", "Qwen3, Phi-3, Gemma 2/3 beside Llama of the same size (load, tok/s); decode vs context "
              "with and without a sliding window", families_options, run_families),
+    Scenario("moe-cpu", "MoE on this CPU: decode step vs a dense model of two experts' MLP (batch 1-32), packed vs "
+             "stacked experts, tiny MoE families' tok/s", moe_cpu_options, run_moe_cpu),
     Scenario("spec", "one stream with and without speculative decoding (n-gram, a draft model): ITL, acceptance",
              spec_options, run_spec),
     Scenario("aiperf", "AIPerf (NVIDIA's genai-perf successor) against a tritium server "

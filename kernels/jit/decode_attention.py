@@ -79,8 +79,8 @@ def decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def decode_reduce_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, num_heads, num_splits, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    partial_out_ptr, partial_lse_ptr, out_ptr, sinks_ptr, num_heads, num_splits, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -89,8 +89,14 @@ def decode_reduce_kernel(
     base = (seq.to(tl.int64) * num_heads + head) * num_splits
     lse = tl.load(partial_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    if SINKS:  # the head's sink logit (exp2 domain) joins the denominator here, once, not in each segment
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+        top = tl.maximum(top, sink)
     weights = tl.math.exp2(lse - top)
+    denominator = tl.sum(weights, axis=0)
+    if SINKS:
+        denominator += tl.math.exp2(sink - top)
     parts = tl.load(partial_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
                     mask=(splits < num_splits)[:, None], other=0.0)
-    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    out = tl.sum(parts * weights[:, None], axis=0) / denominator
     tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))

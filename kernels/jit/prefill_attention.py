@@ -48,6 +48,16 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, st
 
 
 @triton.jit
+def add_sink(acc, m_i, l_i, sinks_ptr, head):
+    """The online softmax's (acc, l_i) with each row's head's sink logit joined to the denominator; both rescaled to
+    the larger of the running max and the sink (exp2 domain), so a sink far above the scores cannot overflow."""
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+    m_end = tl.maximum(m_i, sink)
+    alpha = tl.math.exp2(m_i - m_end)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_end)
+
+
+@triton.jit
 def query_tile(slot, rows, BLOCK_M: tl.constexpr):
     """The query tile that program `slot` (the grid's first axis) computes for a sequence of `rows` rows, which has
     n tiles: slot 0 takes tile n - 1 (the one with the most keys to visit), slot n - 1 tile 0; negative from n on."""
@@ -57,11 +67,12 @@ def query_tile(slot, rows, BLOCK_M: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_bt", "window"],
             do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr"])
 def prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr, sinks_ptr,
     scale_log2e, cap_in, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_pos, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -108,6 +119,8 @@ def prefill_attention_kernel(
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, start_n,
                                          context_len, q_pos, kv_head, scale_log2e, cap_in, window, stride_cache_block,
                                          stride_cache_pos, HEAD_DIM, BLOCK_N, PAGE, 1, SOFTCAP, DOT_PRECISION)
+        if SINKS:
+            acc, l_i = add_sink(acc, m_i, l_i, sinks_ptr, head)
         out = acc / l_i[:, None]
         o_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])

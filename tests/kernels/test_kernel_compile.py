@@ -35,7 +35,9 @@ KERNELS = {"store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_and_mul_
            "prefill_attention_kernel", "decode_split_kernel", "decode_reduce_kernel", "token_bitmask_kernel",
            "int8_gemm_kernel",  # the W8A16 GEMM: the check builds every model shape as an int8 engine too
            "lora_shrink_kernel", "lora_expand_kernel", "lora_shrink_rows_kernel",  # and as a LoRA engine (rank 16)
-           "lora_expand_rows_kernel"}
+           "lora_expand_rows_kernel",
+           "moe_gate_up_kernel", "moe_down_kernel"}  # fused_moe, for the MoE models
+MOE = {"moe_gate_up_kernel", "moe_down_kernel"}
 DTYPES = ("fp16", "bf16", "fp32")
 # dtype, head_dim, GQA group: the eight models in every dtype, the wide ones (head_dim 32, Gemma 3 and 2, Qwen3,
 # Phi-4-mini) in bf16 and fp16
@@ -45,9 +47,13 @@ ATTENTION = (set(itertools.product(DTYPES, (64, 128), (1, 3, 4, 8)))
 REDUCE = set(itertools.product(DTYPES, (64, 128), SPLIT_CHOICES)) | set(itertools.product(WIDE, (32, 256),
                                                                                           SPLIT_CHOICES))
 # (head_dim, group, WINDOW, SOFTCAP) of the windowed or capped variants: Gemma 3 1B (sliding), Gemma 2 9B and 27B
-# (capped, full and sliding)
+# (capped, full and sliding), gpt-oss-20b (sliding)
 KINDS = {(d, *kind) for d in WIDE for kind in ((256, 4, True, False), (256, 2, False, True), (256, 2, True, True),
-                                               (128, 2, False, True), (128, 2, True, True))}
+                                               (128, 2, False, True), (128, 2, True, True), (64, 8, True, False))}
+# (kernel, head_dim, group or split count, WINDOW) of the variants with attention sinks: gpt-oss-20b's (GQA 8, full and
+# sliding; the decode merge at every split count)
+SINK_KINDS = ({(d, "prefill_attention_kernel", 64, 8, window) for d in WIDE for window in (False, True)}
+              | {(d, "decode_reduce_kernel", 64, splits, None) for d in WIDE for splits in SPLIT_CHOICES})
 
 
 def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
@@ -65,6 +71,10 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
         kinds = {(r["dtype"], r[c]["HEAD_DIM"], r[c]["GROUP"], r[c]["WINDOW"], r[c]["SOFTCAP"]) for r in mine
                  if r["kernel"] == kernel and (r[c]["WINDOW"] or r[c]["SOFTCAP"])}
         assert kinds == KINDS, (kernel, KINDS ^ kinds)
+    sinks = {(r["dtype"], r["kernel"], r["constexprs"]["HEAD_DIM"],
+              r["constexprs"].get("GROUP", r["constexprs"].get("SPLITS")), r["constexprs"].get("WINDOW"))
+             for r in mine if r["constexprs"].get("SINKS")}
+    assert sinks == SINK_KINDS, SINK_KINDS ^ sinks
     halves = {(r["constexprs"]["HALF"], r["constexprs"]["BLOCK_HALF"]) for r in mine if r["kernel"] == "rotary_kernel"}
     assert (48, 64) in halves and all(h == b for h, b in halves - {(48, 64)})  # Phi-4-mini's rotary, padded
     assert {r["dtype"] for r in mine if r["kernel"] == "gelu_tanh_and_mul_kernel"} == set(WIDE)
@@ -73,13 +83,20 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
                  and r["constexprs"]["HEAD_DIM"] == 128 and r["constexprs"]["GROUP"] == 4}
         assert pages == set(BLOCK_SIZES), (kernel, pages)
     smol = {r["kernel"] for r in mine if "SmolLM2-135M" in r["models"]}
-    assert smol == KERNELS - {"gelu_tanh_and_mul_kernel"}  # Gemma's MLP
+    assert smol == KERNELS - {"gelu_tanh_and_mul_kernel"} - MOE  # Gemma's MLP, the experts
     bitmask = [r for r in mine if r["kernel"] == "token_bitmask_kernel"]
     assert len(bitmask) == 2  # int32 and int64 rows; fp32 logits of every vocabulary size (all multiples of 16)
     int8 = {(r["dtype"], r["constexprs"]["BLOCK_M"]) for r in mine if r["kernel"] == "int8_gemm_kernel"}
     assert int8 == {("fp16", 16), ("fp16", 64), ("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 32)}, int8
     lora = {(r["kernel"], r["dtype"]) for r in mine if r["kernel"].startswith("lora_")}
     assert lora == {(k, d) for k in KERNELS if k.startswith("lora_") for d in DTYPES}, lora
+    # Qwen3-30B-A3B (top-8), Mixtral (top-2): silu; gpt-oss-120b (top-4): swiglu_oai with biases; decode- and
+    # prefill-sized tiles
+    moe = {(r["dtype"], r["constexprs"]["TOP_K"], r["constexprs"]["ACTIVATION"], r["constexprs"]["HAS_BIAS"],
+            r["constexprs"]["BLOCK_M"]) for r in mine if r["kernel"] == "moe_gate_up_kernel"}
+    assert moe == {(d, *kind, m) for d in WIDE for kind in ((8, "silu", False), (2, "silu", False),
+                                                            (4, "swiglu_oai", True)) for m in (16, 64)}, moe
+    assert {r["dtype"] for r in mine if r["kernel"] in MOE} == set(WIDE)
 
 
 def test_the_check_covers_kernels_dtypes_head_dims_groups_and_splits() -> None:

@@ -93,6 +93,7 @@ def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], p
     value_cache = torch.zeros_like(key_cache)
     triton_ops.store_kv(k, v, key_cache, value_cache, stage(n), tiles="gpu")
     table = torch.zeros(8, 600, dtype=torch.int32)  # the engine's persistent block-table rows
+    sinks = torch.zeros(h) if model.sinks else None  # a layer's parameter (gpt-oss)
     if nd:
         width = max(-(-c // block) for c in decode_lens)
         tables = table.index_select(0, torch.zeros(nd, dtype=torch.int64))[:, :width]
@@ -100,7 +101,7 @@ def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], p
         seq_lens.copy_(torch.tensor(decode_lens))
         for window in model.windows:
             triton_ops.decode_attention(q[:nd], key_cache, value_cache, tables, seq_lens, 0.1, window, model.softcap,
-                                        tiles="gpu")
+                                        sinks, tiles="gpu")
     if prefill:
         width = max(-(-c // block) for _, c in prefill)
         tables = table.index_select(0, torch.zeros(len(prefill), dtype=torch.int64))[:, :width]
@@ -110,7 +111,7 @@ def engine_step(model: ModelShape, dtype: torch.dtype, decode_lens: list[int], p
         seq_lens.copy_(torch.tensor([c for _, c in prefill]))
         for window in model.windows:
             triton_ops.prefill_attention(q[nd:], key_cache, value_cache, tables, cu, seq_lens, 0.1, max(q_lens),
-                                         window, model.softcap, tiles="gpu")
+                                         window, model.softcap, sinks, tiles="gpu")
     getattr(triton_ops, model.activation)(torch.zeros(n, 2 * model.intermediate, dtype=dtype), tiles="gpu")
     # Structured output: some of the step's sampled rows constrained, their logits rows staged like the
     # other step inputs (int32) or given as int64; the bitmask is as wide as the grammar engine's tokenizer
@@ -132,7 +133,7 @@ def variants(launches: list[Launch]) -> set[Variant]:
 
 
 # The default model, Llama-2-7B, and the families with kernels of their own: Gemma 3 and 2 (windows, caps, GELU,
-# head_dim 256), Qwen3 (q/k norm at head_dim 128), Phi-4-mini (rotary over 96 features).
+# head_dim 256), Qwen3 (q/k norm at head_dim 128), Phi-4-mini (rotary over 96 features), gpt-oss-20b (sinks).
 @pytest.mark.parametrize("model", [MODELS[0], MODELS[4], *WIDE_MODELS[1:]], ids=lambda m: m.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_serving_launches_nothing_the_warm_up_did_not_compile(model: ModelShape, dtype: torch.dtype) -> None:
@@ -172,3 +173,36 @@ def test_an_engine_serves_only_variants_its_warm_up_launched(
     assert {v.kernel for v in variants(warm)} >= {"decode_reduce_kernel", "prefill_attention_kernel"}
     new = variants(served) - variants(warm)
     assert not new, sorted({(v.kernel, v.equal_to_1, v.divisible_by_16) for v in new})
+
+
+# A mixture-of-experts engine (8 experts, top-2; sizes past 256 that the warm-up's dummy weights shrink): fused_moe
+# once per tile configuration, and serving at any token count builds nothing more.
+MOE = replace(TINY, hidden_size=400, num_experts=8, moe_top_k=2, moe_intermediate=296, moe_activation="swiglu_oai",
+              moe_bias=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_moe_engine_warms_up_each_fused_moe_tile_configuration(dtype: torch.dtype) -> None:
+    shape = replace(MOE, dtype=dtype)
+    calls = [c for c in warmup_calls(shape) if c.op == "fused_moe"]
+    assert [c.args[0].shape[0] for c in calls] == [1, 65]  # 1 and 17 rows per expert: 16- and 64-row blocks
+    assert all(c.kwargs["activation"] == "swiglu_oai" and c.kwargs["w13_bias"] is not None for c in calls)
+    assert not [c for c in warmup_calls(TINY) if c.op == "fused_moe"]
+    for c in calls:
+        assert reference.fused_moe(*c.args, **c.kwargs).shape == c.args[0].shape
+    with recording() as warm:
+        for c in calls:
+            triton_ops.fused_moe(*c.args, **c.kwargs, tiles="gpu")
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.zeros(8, 2 * 296, 400, dtype=dtype)
+    w2 = torch.zeros(8, 400, 296, dtype=dtype)
+    biases = {"w13_bias": torch.zeros(8, 2 * 296, dtype=dtype), "w2_bias": torch.zeros(8, 400, dtype=dtype)}
+    with recording() as serving:
+        for tokens in (1, 2, 16, 17, 64, 65, 300):
+            topk_ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
+            weights = torch.rand(tokens, 2, generator=g)
+            triton_ops.fused_moe(torch.zeros(tokens, 400, dtype=dtype), w13, w2, weights, topk_ids, "swiglu_oai",
+                                 **biases, tiles="gpu")
+    assert {v.kernel for v in variants(warm)} == {"moe_gate_up_kernel", "moe_down_kernel"}
+    assert len(variants(warm)) == 4  # two kernels x two tile configurations
+    assert variants(serving) <= variants(warm)
