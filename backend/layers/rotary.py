@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tritium.backend.config_readers import LENGTH_DEPENDENT_ROPE_TYPES, rope_type
 from tritium.backend.layers.attention import AttentionBackend
-from tritium.backend.model_config import LENGTH_DEPENDENT_ROPE_TYPES, rope_type
 
 
 def exponents(dim: int, device: torch.device | None = None) -> torch.Tensor:

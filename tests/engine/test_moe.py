@@ -119,6 +119,20 @@ def test_ngram_speculation_gives_the_same_greedy_tokens(checkpoints: dict[str, P
     assert sum(o.spec_decoding.num_draft_tokens for o in outs if o.spec_decoding is not None) > 0
 
 
+def test_structured_output_constrains_an_moe_model(checkpoints: dict[str, Path],
+                                                   make_llm: Callable[..., LLM]) -> None:
+    """A grammar's mask applies to the experts' logits as to a dense model's: random weights, valid output."""
+    import json
+
+    llm = make_llm(str(checkpoints["mixtral"]), kv_cache_bytes=4 << 20, max_num_seqs=4)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=24, structured_output={"json": schema})
+    for out in llm.generate(prompts_of(llm)[:2], params):
+        assert out.finish_reason == "stop", out.text
+        assert isinstance(json.loads(out.text)["n"], int)
+
+
 def test_stacked_experts_load_as_per_expert_ones(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """transformers' in-memory layout (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) loads to the
     same weights as the per-expert names Hugging Face checkpoints hold."""

@@ -22,7 +22,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("core",)),
     ("models", ("models",)),
     ("layers", ("layers", "lora")),
-    ("common", ("config", "model_config", "sampling_params", "outputs", "tokenizer", "structured_output.constraint")),
+    ("common", ("config", "model_config", "config_readers", "family_configs", "sampling_params", "outputs",
+                "tokenizer", "structured_output.constraint")),
 )
 # Core and the worker side are siblings under the engine: the worker side sees only the state the engine hands
 # it (the sequences and the scheduled batch), never the scheduler, block manager or queues.
