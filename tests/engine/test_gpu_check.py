@@ -27,8 +27,10 @@ def test_gpu_check_smoke(tmp_path: Path, default_model_path: Path) -> None:
     data = json.loads((out / "gpu_check.json").read_text())
     status = {s["number"]: s["status"] for s in data["steps"]}
     assert status == {"1": "pass", "2": "pass", "3": "skip", "3b": "skip", "2b": "pass", "3c": "skip", "4": "pass",
-                      "5": "pass"}, data["steps"]
+                      "5": "pass", "2c": "pass", "2d": "pass"}, data["steps"]
     assert data["complete"] and data["models"]["random-llama8b-like"]["shape"]["head_dim"] == 128
+    families = data["models"]
+    assert families["gemma3"]["shape"]["sliding_window"] == 8 and "sliding_window" not in families["qwen3"]["shape"]
     assert all(s["seconds"] >= 0 and s["summary"] for s in data["steps"])
     assert data["smoke"] and data["passed"] and data["machine"]["torch"] and data["machine"]["triton"]
     assert [g["verdict"] for g in data["goals"]] == ["not measured"] * 3
