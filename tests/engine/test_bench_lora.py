@@ -14,6 +14,7 @@ from tritium.client.bench.lora import NUM_ADAPTERS, RANK, run_lora_benchmark
 from tritium.client.cli.main import build_parser
 
 
+@pytest.mark.slow  # one of the fast tier's longest (~6-10 s); the full suite runs it
 def test_smoke_run_reports_throughput_load_and_memory(tmp_path: Path) -> None:
     returned = run_lora_benchmark(tmp_path, num_requests=NUM_ADAPTERS + 1, output_len=3, input_len=8, repeats=2,
                                   kv_cache_bytes=8 << 20, max_model_len=128)

@@ -54,6 +54,7 @@ REPEAT = f"Repeat the following text exactly.\nText: {TEXT}\nRepeated text: "
 COUNT = "1 2 3 1 2 3 1 2 3 1 2 3 1 2"
 
 
+@pytest.mark.slow  # one of the fast tier's longest (~6-10 s); the full suite runs it
 def test_repeating_prompt_is_greedy_identical_and_accepts(engines: tuple[LLM, LLM]) -> None:
     base, spec = engines
     prompts = [REPEAT, "Once upon a time,"]
@@ -163,6 +164,7 @@ def test_seeded_sampling_is_reproducible(engines: tuple[LLM, LLM]) -> None:
     assert drafted(first)[1] > 0
 
 
+@pytest.mark.slow  # one of the fast tier's longest (~6-10 s); the full suite runs it
 def test_a_seeded_request_keeps_its_text_when_drafts_are_rejected(make_llm: Callable[..., LLM],
                                                                    engines: tuple[LLM, LLM]) -> None:
     """A seeded sampled request gives the text it gives without speculation, alone or beside others in a step

@@ -89,6 +89,7 @@ def test_constrained_greedy_speculation_is_identical_and_the_grammar_refuses_dra
 
 
 @pytest.mark.batch_invariant
+@pytest.mark.slow  # one of the fast tier's longest (~6-10 s); the full suite runs it
 def test_a_mixed_batch_gives_each_request_its_solo_tokens(engines: tuple[LLM, LLM]) -> None:
     base, spec = engines
     prompts = [PROMPT, REPEAT, "Is the sky blue? Answer:", PROMPT]

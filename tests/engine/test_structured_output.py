@@ -199,6 +199,7 @@ def test_constrained_outputs_hold_and_end_when_the_grammar_is_complete(llm: LLM)
         assert person.finish_reason == "stop"
 
 
+@pytest.mark.slow  # one of the fast tier's longest (~6-10 s); the full suite runs it
 def test_an_unconstrained_request_beside_constrained_ones_makes_its_solo_tokens(llm: LLM) -> None:
     plain = SamplingParams(temperature=0, max_tokens=24)
     seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=24)

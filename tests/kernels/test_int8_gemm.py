@@ -59,6 +59,7 @@ def test_empty_and_mismatched() -> None:
         tri.int8_gemm(torch.zeros(2, 12), q, scale)
 
 
+@pytest.mark.slow  # one of the fast tier's longest (~6-10 s); the full suite runs it
 def test_warm_up_builds_every_quantized_projection() -> None:
     shape = EngineShape(9, 3, 64, 576, 1536, 64, 16, 4, torch.bfloat16, quantization="int8")
     calls = [c for c in warmup_calls(shape) if c.op == "int8_gemm"]
