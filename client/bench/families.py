@@ -55,13 +55,18 @@ def bench_family(path: Path, prompts: list[list[int]], output_len: int) -> dict[
     t0 = time.perf_counter()
     llm = LLM(str(path), max_num_seqs=len(prompts), max_model_len=1024)
     load_s = time.perf_counter() - t0
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
-    seconds = time.perf_counter() - t0
+    rate = tokens_per_s(llm, prompts, output_len)
     del llm
     gc.collect()
-    return {"load_s": load_s, "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds}
+    return {"load_s": load_s, "tokens_per_s": rate}
+
+
+def tokens_per_s(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens / s of `llm` on `prompts` (greedy, `output_len` each, ignore_eos), after a short warm-up."""
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def decode_ms(path: Path, contexts: list[int], new_tokens: int) -> list[float]:

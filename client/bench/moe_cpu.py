@@ -29,6 +29,7 @@ from tritium.backend.layers.linear import CpuPackedLinear
 from tritium.backend.layers.moe import FusedMoE, route
 from tritium.backend.models.registry import resolve_model
 from tritium.client.bench.checkpoints import save_random_model
+from tritium.client.bench.families import tokens_per_s
 from tritium.client.bench.report import machine_info, write_report
 from tritium.client.bench.workload import random_token_prompts
 from tritium.kernels.reference import moe_activation
@@ -138,15 +139,13 @@ def layer_us(batches: list[int], reps: int = 50) -> dict[str, list[float]]:
     return {name: [1e6 * statistics.median(t[3:]) for t in per_batch] for name, per_batch in times.items()}
 
 
-def tokens_per_s(path: Path, prompts: list[list[int]], output_len: int) -> float:
+def family_tokens_per_s(path: Path, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens / s of the checkpoint at `path` on `prompts` (bench/families.py's measure)."""
     llm = LLM(str(path), max_num_seqs=len(prompts), max_model_len=512)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
-    seconds = time.perf_counter() - t0
+    rate = tokens_per_s(llm, prompts, output_len)
     del llm
     gc.collect()
-    return sum(len(o.token_ids) for o in outs) / seconds
+    return rate
 
 
 def run_moe_cpu_benchmark(batches: tuple[int, ...] = (1, 8, 32), steps: int = 16, num_requests: int = 16,
@@ -165,7 +164,7 @@ def run_moe_cpu_benchmark(batches: tuple[int, ...] = (1, 8, 32), steps: int = 16
         families: dict[str, float] = {}
         for kind in ("qwen3_moe", "qwen3", "mixtral", "mistral"):
             path = write_checkpoint(kind, work / f"tiny-{kind}", default, TINY_SHAPE, TINY_EXPERT_SIZE)
-            families[kind] = tokens_per_s(path, prompts, output_len)
+            families[kind] = family_tokens_per_s(path, prompts, output_len)
             shutil.rmtree(path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
