@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tritium.backend.layers.activation import GeluTanhAndMul, SiluAndMul
+from tritium.backend.layers.activation import GatedActivation
 from tritium.backend.layers.attention import (
     Attention,
     AttentionBackend,
@@ -44,7 +44,7 @@ class LlamaDecoderLayer(nn.Module):
         scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
         self.attn = Attention(heads, kv_heads, head_dim, scale, backend, config.window_of(index),
                               config.attn_logit_softcapping)
-        self.act = SiluAndMul(backend) if config.hidden_act in ("silu", "swish") else GeluTanhAndMul(backend)
+        self.act = GatedActivation(config.hidden_act, backend)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata, lora: LoraBatch | None = None,

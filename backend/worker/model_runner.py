@@ -11,6 +11,7 @@ from itertools import accumulate, pairwise
 import torch
 
 from tritium.backend.core.batch import ScheduledSequence
+from tritium.backend.layers.activation import gated_op
 from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.layers.moe import FusedMoE
 from tritium.backend.layers.rotary import RopeChunk, length_dependent_rotary
@@ -325,7 +326,7 @@ class ModelRunner:
                                 vocab_size=c.vocab_size, quantization=getattr(self.model, "quantization", None),
                                 lora_rank=self.lora_stacks.max_rank if self.lora_stacks is not None else None,
                                 windows=tuple(windows), softcap=c.attn_logit_softcapping,
-                                activation="silu_and_mul" if c.hidden_act in ("silu", "swish") else "gelu_tanh_and_mul",
+                                activation=gated_op(c.hidden_act),
                                 qk_norm=c.qk_norm, sinks=c.attention_sinks)
             warm_up_kernels(self.backend.ops, with_experts(shape, self.model))
         for prefill in warm_up_prefills(max_prefill_tokens, self.max_model_len, self.max_num_seqs,
