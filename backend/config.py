@@ -21,6 +21,7 @@ DEFAULT_PRIORITY_AGING_S = 10.0
 SCHEDULING_POLICIES = ("fcfs", "priority")  # core/waiting_queue.py
 QUANTIZATIONS = ("int8", "int4")  # weight-only schemes (models/quantization.py)
 CPU_ONLY_QUANTIZATIONS = ("int4",)
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 def check_quantization(value: object) -> None:
@@ -129,6 +130,7 @@ class EngineConfig:
     speculative_config: dict[str, object] | SpeculativeConfig | None = None  # vLLM's shape; None: off
     scheduling_policy: str = "fcfs"  # or "priority" (docs/priority.md)
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
+    tensor_parallel_size: int = 1  # ranks one model is sharded over: one process each (worker/ranks.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -162,6 +164,16 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)
         self._check_lora()
         self._check_scheduling()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(f"tensor_parallel_size must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], "
+                             f"got {size!r}")
+        if size > 1 and self.enable_lora:
+            raise ValueError("enable_lora: LoRA adapters with tensor_parallel_size > 1 are not implemented; serve "
+                             "adapters with tensor_parallel_size 1 (one engine per GPU)")
 
     def _check_scheduling(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

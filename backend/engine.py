@@ -120,6 +120,10 @@ class LLMEngine:
     def worker_info(self) -> WorkerInfo:
         return self.worker.info
 
+    def shutdown(self) -> None:
+        """Release what outlives a dropped engine: the tensor-parallel ranks' processes. Idempotent."""
+        self.worker.shutdown()
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.config.block_size

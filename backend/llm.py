@@ -91,6 +91,16 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def shutdown(self) -> None:
+        """End the engine's tensor-parallel ranks now (otherwise: when the LLM is collected or the process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def load_lora(self, name: str, folder: str | Path) -> None:
         """Load the PEFT adapter in `folder` as `name`. Raises ValueError naming what is wrong."""
         self.engine.load_lora(name, folder)

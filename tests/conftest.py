@@ -80,6 +80,7 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
         assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
         assert all(r == 0 for r in bm.ref_counts)
         assert not engine.worker.held_requests(), "the worker holds state of finished requests"
+        llm.shutdown()  # a tensor-parallel engine's rank processes end here
 
 
 TIERS = ("unit", "kernels", "engine", "server")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tritium.backend.layers.parallel import RankGroup
 from tritium.backend.model_config import ModelConfig, ModelFolderError
 from tritium.kernels.interface import KernelOps
 
@@ -31,15 +32,21 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """One implementation of `KernelOps` (kernels/interface.py), bound."""
+    """One implementation of `KernelOps` (kernels/interface.py), bound, and the ranks a model using it is sharded over
+    (`parallel`: one rank unless `on_ranks` gave a group)."""
 
-    def __init__(self, name: str, ops: KernelOps) -> None:
+    def __init__(self, name: str, ops: KernelOps, parallel: RankGroup | None = None) -> None:
         self.name = name
         self.ops = ops
+        self.parallel = parallel or RankGroup()
         self.rms_norm = ops.rms_norm
         self.rotary_embedding = ops.rotary_embedding
         self.silu_and_mul = ops.silu_and_mul
         self.gelu_tanh_and_mul = ops.gelu_tanh_and_mul
+
+    def on_ranks(self, parallel: RankGroup) -> AttentionBackend:
+        """The same kernels for a model sharded over `parallel` (a draft model keeps the one-rank backend)."""
+        return AttentionBackend(self.name, self.ops, parallel)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,

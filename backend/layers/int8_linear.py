@@ -30,10 +30,11 @@ def cpu_has_bf16_instructions() -> bool:
     return False
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(q int8 [N, K], scale fp32 [N])`, `q * scale[:, None] ~ weight`; an all-zero row gets scale 1."""
+def quantize_per_channel(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q int8 [N, K], scale fp32 [N])`, `q * scale[:, None] ~ weight`; an all-zero row gets scale 1. `amax`: each
+    row's largest |weight| when `weight` is part of wider rows (a row-parallel rank's columns)."""
     w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
+    amax = w.abs().amax(dim=1) if amax is None else amax
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return q, scale
@@ -60,9 +61,9 @@ class Int8Linear(nn.Module):
     """`x @ dequant(qweight).T + bias`; `out_dtype` None: the input's. Raises ValueError for an unknown `path`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
-                 path: str | None = None) -> None:
+                 path: str | None = None, amax: torch.Tensor | None = None) -> None:
         super().__init__()
-        q, scale = quantize_per_channel(weight)
+        q, scale = quantize_per_channel(weight, amax)
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q.to(weight.device))
         self.register_buffer("scale", scale.to(weight.device))

@@ -64,4 +64,4 @@ class FusedMoE(nn.Module):
         weights, ids = route(self.router(x), self.top_k, self.routing, self.renormalize)
         out: torch.Tensor = self.backend.ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation,
                                                        self.w13_bias, self.w2_bias)
-        return out
+        return self.backend.parallel.all_reduce(out)  # each rank ran its part of every expert's intermediate rows

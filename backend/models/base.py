@@ -13,6 +13,7 @@ from torch import nn
 
 from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata, KVCache, get_attention_backend
 from tritium.backend.layers.linear import CpuPackedLinear
+from tritium.backend.layers.parallel import VocabParallelEmbedding, vocab_range
 from tritium.backend.layers.rotary import RotaryEmbedding
 from tritium.backend.lora.weights import LoraBatch
 from tritium.backend.model_config import ModelConfig
@@ -51,19 +52,22 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     EXPERT_BLOCK: ClassVar[str] = ""
     EXPERT_WEIGHTS: ClassVar[dict[str, tuple[str, int | None]]] = {}
     quantization: str | None = None  # "int8" or "int4" once quantize_model (quantization.py) has run
+    CONVERTS_LAYOUT: ClassVar[bool] = False  # convert_weight reshapes tensors: a rank slices them after (loader.py)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None,
                  max_positions: int | None = None) -> None:
-        """`backend`: the kernels every layer calls (None: the torch references); `max_positions`: the rotary tables'
-        size (None: the model's context)."""
+        """`backend`: the kernels every layer calls (None: the torch references) and the ranks the model is sharded
+        over (`config` is then one rank's: models/sharding.py); `max_positions`: the rotary tables' size (None: the
+        model's context)."""
         super().__init__()
         self.config = config
         self.backend = backend or get_attention_backend("torch", torch.device("cpu"))
         self.max_positions = max_positions or config.max_position_embeddings
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        ranks = self.backend.parallel
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ranks)
         self.layers = nn.ModuleList()
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        rows = vocab_range(config.vocab_size, ranks.rank, ranks.size)[1]
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         self.packed_lm_head: nn.Module | None = None  # CpuPackedLinear, or an Int8Linear / Int4Linear (quantization.py)
 
     @abstractmethod
@@ -123,11 +127,12 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             rotary.cos_sin_cache = rotary.table(positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[rows, vocab]` for the given hidden rows."""
+        """fp32 logits `[rows, vocab]` for the given hidden rows (on a rank other than 0: its vocabulary part)."""
         if self.packed_lm_head is not None:
-            logits: torch.Tensor = self.packed_lm_head(hidden)
-            return logits.float()
-        return torch.nn.functional.linear(hidden, self.head_weight).float()
+            logits: torch.Tensor = self.packed_lm_head(hidden).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, self.head_weight).float()
+        return self.backend.parallel.gather_columns(logits, self.config.vocab_size)
 
     @property
     def head_weight(self) -> torch.Tensor:

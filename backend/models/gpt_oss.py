@@ -40,6 +40,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     decoder_layer = GptOssDecoderLayer
+    CONVERTS_LAYOUT = True
 
     LAYER_WEIGHTS: ClassVar[dict[str, str]] = {
         **LlamaForCausalLM.LAYER_WEIGHTS,

@@ -77,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor = self.o_proj(out)
         if lora is not None:
             lora.apply(self.index, "o_proj", out, hidden)
-        return hidden
+        return self.attn.backend.parallel.all_reduce(hidden)  # row-parallel: the ranks' parts summed
 
     def mlp(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         """The gated MLP on the normed `x`."""
@@ -88,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor = self.down_proj(act)
         if lora is not None:
             lora.apply(self.index, "down_proj", act, hidden)
-        return hidden
+        return self.attn.backend.parallel.all_reduce(hidden)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,10 +16,12 @@ from safetensors import safe_open
 from tritium.backend.config import check_quantization, check_quantization_device
 from tritium.backend.layers.attention import AttentionBackend
 from tritium.backend.layers.linear import cpu_packing_available
+from tritium.backend.layers.parallel import RankGroup
 from tritium.backend.model_config import ModelConfig, ModelFolderError
 from tritium.backend.models.architectures import model_class
 from tritium.backend.models.base import CausalLM
 from tritium.backend.models.quantization import QuantizationOptions, quantize_model
+from tritium.backend.models.sharding import RankSlice, Shard, rank_slice, shard_config
 
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")  # a cache some old checkpoints saved, recomputed here
 
@@ -51,11 +54,17 @@ def checkpoint_numel(folder: Path) -> int:
     return total
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: list[Path], part_of: Callable[[str], RankSlice] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor, or only the part `part_of(name)` says (a tensor-parallel rank's, read as slices)."""
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, st.get_tensor(name)
+                if part_of is None:
+                    yield name, st.get_tensor(name)
+                else:
+                    piece = st.get_slice(name)
+                    yield name, part_of(name).of(piece, piece.get_shape())
 
 
 def stack_experts(target: str, pieces: dict[tuple[int, int | None], torch.Tensor], num_experts: int,
@@ -77,14 +86,17 @@ def load_model(
     quantization: str | None = None, quantization_options: QuantizationOptions | None = None,
     backend: AttentionBackend | None = None,
 ) -> CausalLM:
-    """`backend` None: the torch references. Raises ModelFolderError for a missing file, an unsupported
-    architecture or feature, missing tensors or tensors the model would not use, or a `max_positions` beyond the
-    model's context; ValueError, before any weight is read, for a
-    `quantization` unknown or that `device` cannot run."""
+    """`backend` None: the torch references; its `parallel` group: the rank whose shard loads (models/sharding.py).
+    Raises ModelFolderError for a missing file, an unsupported architecture or feature, missing tensors or tensors
+    the model would not use, a `max_positions` beyond the model's context, or sizes the ranks do not divide;
+    ValueError, before any weight is read, for a `quantization` unknown or that `device` cannot run."""
     folder = Path(folder)
     check_quantization(quantization)
     check_quantization_device(quantization, device)
     config = ModelConfig.from_folder(folder)
+    ranks = backend.parallel if backend is not None else RankGroup()
+    shard = Shard(ranks.rank, ranks.size)
+    rank_config = shard_config(config, shard.size)
     if quantization is not None and config.is_moe:
         raise ModelFolderError(f"quantization {quantization!r} of a mixture-of-experts model ({config.architecture}) "
                                "is not implemented; load it unquantized")
@@ -95,12 +107,15 @@ def load_model(
     files = weight_files(folder)
     cls = model_class(config.architecture)
     with torch.device("meta"):
-        model = cls(config, backend, max_positions=1)
+        model = cls(rank_config, backend, max_positions=1)
+    # A rank reads its slices of each tensor, unless the model converts a tensor's layout first (then it slices after).
+    part_of = partial(_rank_part, cls, config, shard)
+    read_slices = shard.size > 1 and not cls.CONVERTS_LAYOUT
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     experts: dict[str, dict[tuple[int, int | None], torch.Tensor]] = {}  # stacked key -> (expert, part) -> tensor
     unused: list[str] = []
-    for name, tensor in cls.checkpoint_tensors(iter_tensors(files)):
+    for name, tensor in cls.checkpoint_tensors(iter_tensors(files, part_of if read_slices else None)):
         if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         key = cls.checkpoint_key(name)
@@ -109,10 +124,16 @@ def load_model(
                 unused.append(name)
             else:
                 target, expert, part = expert_key
-                experts.setdefault(target, {})[expert, part] = cls.convert_weight(target, tensor).to(dtype)
+                tensor = cls.convert_weight(target, tensor)
+                if shard.size > 1 and not read_slices:
+                    tensor = rank_slice(target, part, config, shard).of(tensor, list(tensor.shape))
+                experts.setdefault(target, {})[expert, part] = tensor.to(dtype)
             continue
         target, part = key
-        tensor = cls.convert_weight(target, tensor).to(dtype)
+        tensor = cls.convert_weight(target, tensor)
+        if shard.size > 1 and not read_slices:
+            tensor = rank_slice(target, part, config, shard).of(tensor, list(tensor.shape))
+        tensor = tensor.to(dtype)
         if part is None:
             state[target] = tensor
         else:
@@ -146,3 +167,12 @@ def load_model(
     elif device.type == "cpu" and cpu_packing_available(dtype):
         model.pack_for_cpu()
     return model
+
+
+def _rank_part(cls: type[CausalLM], config: ModelConfig, shard: Shard, name: str) -> RankSlice:
+    """The part of checkpoint tensor `name` that `shard` loads (all of it when the model has no use for it)."""
+    if (key := cls.checkpoint_key(name)) is not None:
+        return rank_slice(key[0], key[1], config, shard)
+    if (expert_key := cls.expert_key(name)) is not None:
+        return rank_slice(expert_key[0], expert_key[2], config, shard)
+    return RankSlice()

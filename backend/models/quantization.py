@@ -29,11 +29,15 @@ class QuantizationOptions:
 HEAD_SCHEMES = {"int8": "int8", "int4": "int8"}
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")  # a tensor-parallel rank holds some columns of each row (models/sharding.py)
+
+
 def _linear(scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, path: str | None,
-            group_size: int | None, out_dtype: torch.dtype | None = None) -> nn.Module:
+            group_size: int | None, out_dtype: torch.dtype | None = None, amax: torch.Tensor | None = None,
+            ) -> nn.Module:
     if scheme == "int4":
         return Int4Linear(weight, bias, out_dtype, path, group_size or GROUP_SIZE)
-    return Int8Linear(weight, bias, out_dtype, path)
+    return Int8Linear(weight, bias, out_dtype, path, amax)
 
 
 def quantize_model(model: CausalLM, scheme: str, options: QuantizationOptions | None = None) -> None:
@@ -49,13 +53,18 @@ def quantize_model(model: CausalLM, scheme: str, options: QuantizationOptions | 
     opts = options or QuantizationOptions()
     head_scheme = opts.head or HEAD_SCHEMES[scheme]
     check_quantization(head_scheme)
+    ranks = model.backend.parallel
     for i, layer in enumerate(model.layers):
         for name in PROJECTIONS:
             linear = getattr(layer, name)
             if not isinstance(linear, nn.Linear):
                 raise ValueError(f"quantization {scheme!r}: layers.{i}.{name} is a {type(linear).__name__}, "
                                  "not an nn.Linear; only unpacked linear layers can be quantized")
-            setattr(layer, name, _linear(scheme, linear.weight, linear.bias, opts.path, opts.group_size))
+            amax = None
+            if name in ROW_PARALLEL and ranks.size > 1:  # int8 scales of the whole rows, as one rank quantizes them
+                amax = ranks.all_max(linear.weight.detach().float().abs().amax(dim=1))
+            setattr(layer, name, _linear(scheme, linear.weight, linear.bias, opts.path, opts.group_size,
+                                         amax=amax))
     lm_head = model.lm_head
     weight = model.head_weight
     model.packed_lm_head = _linear(head_scheme, weight, None, opts.head_path, opts.group_size, torch.float32)

@@ -9,11 +9,20 @@ import torch
 GPU_KIND = "GPU"  # what Triton's python backend passes for KIND_GPU (also "CPU", "AUTO", "MODEL")
 
 
-def select_device(args: Mapping[str, str], configured: str) -> str:
+def select_device(args: Mapping[str, str], configured: str, tensor_parallel_size: int = 1) -> str:
     """`cuda:<id>` for a KIND_GPU instance, else `configured` (model.json's `device`). Raises ValueError naming
-    the setting when `configured` contradicts the GPU Triton placed the instance on."""
+    the setting when `configured` contradicts the GPU Triton placed the instance on, or when a KIND_GPU instance
+    (one GPU) would shard its model over `tensor_parallel_size` > 1 GPUs (KIND_MODEL lets the engine place them)."""
     if args.get("model_instance_kind", "").upper() != GPU_KIND:
         return configured
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"model.json sets tensor_parallel_size {tensor_parallel_size}, but Triton placed this model instance "
+            f"on one GPU (instance_group kind KIND_GPU): use instance_group [{{ count: 1, kind: KIND_MODEL }}] so "
+            f"that the engine places its {tensor_parallel_size} ranks on the visible GPUs (cuda:0 to "
+            f"cuda:{tensor_parallel_size - 1} of CUDA_VISIBLE_DEVICES), or set tensor_parallel_size to 1 for one "
+            "engine per GPU"
+        )
     raw_id = args.get("model_instance_device_id")
     try:
         device_id = int(raw_id)  # type: ignore[arg-type]

@@ -88,7 +88,8 @@ class EngineModel(ABC, Generic[R]):
         self.admin_key = configured_admin_key(settings.admin_key, os.environ)
         self.timeout_s = settings.request_timeout_s or self.default_timeout_s
         # One instance per GPU of a KIND_GPU instance group: each engine on the GPU Triton gave it.
-        config = dataclasses.replace(settings.engine, device=select_device(args, settings.engine.device))
+        config = dataclasses.replace(settings.engine, device=select_device(
+            args, settings.engine.device, settings.engine.tensor_parallel_size))
         self.engine = LLMEngine(config)
         install_faults_from_env(self.engine)
         metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], self.engine)
@@ -148,3 +149,4 @@ class EngineModel(ABC, Generic[R]):
 
     def finalize(self) -> None:
         self.loop.stop()
+        self.engine.shutdown()

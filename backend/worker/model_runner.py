@@ -10,6 +10,7 @@ from itertools import accumulate, pairwise
 
 import torch
 
+from tritium.backend.config import EngineConfig, SpeculativeConfig
 from tritium.backend.core.batch import ScheduledSequence
 from tritium.backend.layers.activation import gated_op
 from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
@@ -19,6 +20,7 @@ from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups, segment_a
 from tritium.backend.lora.weights import LoraBatch, LoraStacks
 from tritium.backend.lora.windows import LoraWindows, plan_windows
 from tritium.backend.models.base import CausalLM
+from tritium.backend.sample.settings import row_settings_slots
 from tritium.backend.worker.block_tables import DeviceBlockTables
 from tritium.backend.worker.decode_graphs import DecodeGraphs
 from tritium.backend.worker.staging import StagingBuffer
@@ -46,6 +48,20 @@ def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_l
     # may rewrite every scheduled row).
     # LoRA: rows sorted by slot (or a slot per decode row) and the device segments (starts and slots).
     return (4 if lora else 3) * tokens + (10 if lora else 8) * seqs + (2 if lora else 1) + 2 * seqs * width
+
+
+def logit_rows(config: EngineConfig) -> int:
+    """The most logit rows a step samples: a speculating sequence samples at each verified position too."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    return config.max_num_seqs * (1 + spec.num_speculative_tokens) if spec is not None else config.max_num_seqs
+
+
+def staging_capacity(config: EngineConfig, max_model_len: int) -> int:
+    """Staging-buffer slots for a step's runner inputs and its rows' sampling settings (every rank the same)."""
+    rows = logit_rows(config)
+    slots = step_input_slots(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.block_size,
+                             lora=config.enable_lora)
+    return slots + (rows - config.max_num_seqs) + row_settings_slots(rows)
 
 
 def warm_up_prefills(max_prefill_tokens: int, max_model_len: int, max_num_seqs: int, cuda: bool) -> list[list[int]]:

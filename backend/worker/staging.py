@@ -71,6 +71,10 @@ class StagingBuffer:
         else:
             self.device_buffer[:n].copy_(self.host[:n])
 
+    def staged(self) -> npt.NDArray[np.int32]:
+        """A copy of what was put since `begin` (what another rank's buffer is given)."""
+        return self._ints[: self.size].copy()
+
     def ints(self, where: slice) -> torch.Tensor:
         return self.device_buffer[where]
 

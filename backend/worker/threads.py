@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +122,10 @@ def usable_cores(affinity: set[int] | None = None, root: Path = CGROUP_ROOT,
     return Cores(count, allowed, quota, source)
 
 
-def choose_threads(usable: int, override: int | None = None, omp_num_threads: str | None = None) -> ThreadChoice:
-    """`override`, else a valid `omp_num_threads`, else every usable core (docs/operating.md, "CPU threads")."""
+def choose_threads(usable: int, override: int | None = None, omp_num_threads: str | None = None,
+                   ranks: int = 1) -> ThreadChoice:
+    """`override`, else a valid `omp_num_threads`, else every usable core, shared by `ranks` tensor-parallel ranks
+    (docs/operating.md, "CPU threads")."""
     if override is not None:
         return ThreadChoice(override, "num_threads is set")
     if omp_num_threads:
@@ -132,18 +135,54 @@ def choose_threads(usable: int, override: int | None = None, omp_num_threads: st
             omp = 0
         if omp >= 1:
             return ThreadChoice(omp, "OMP_NUM_THREADS is set")
+    if ranks > 1:
+        return ThreadChoice(max(1, usable // ranks), f"the usable cores shared by {ranks} tensor-parallel ranks")
     return ThreadChoice(max(1, usable), "every usable core")
 
 
-def set_up_threads(num_threads: int | None, device_type: str) -> ThreadChoice | None:
-    """On a CPU: choose, set and log the thread count; None, changing nothing, on another device."""
+@dataclass(frozen=True)
+class CoreBinding:
+    """A thread's CPU affinity, to give back once a tensor-parallel rank 0 bound it to its own cores."""
+
+    thread: int
+    cores: frozenset[int]
+
+    @classmethod
+    def of_this_thread(cls) -> CoreBinding:
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        return cls(threading.get_ident(), frozenset(cores))
+
+    def restore(self) -> None:
+        """Back to the recorded cores when called on the recorded thread (affinity is per thread)."""
+        if self.cores and threading.get_ident() == self.thread and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cores)
+
+
+def rank_cores(affinity: set[int], usable: int, rank: int, ranks: int) -> set[int] | None:
+    """Tensor-parallel rank `rank`'s own cores: the `rank`-th of `ranks` equal parts of the first `usable` cores of
+    `affinity`; None when there are fewer usable cores than ranks (the ranks then share them)."""
+    if ranks < 2 or usable < ranks:
+        return None
+    share = usable // ranks
+    return set(sorted(affinity)[rank * share : (rank + 1) * share])
+
+
+def set_up_threads(num_threads: int | None, device_type: str, ranks: int = 1, rank: int = 0) -> ThreadChoice | None:
+    """On a CPU: choose, set and log the thread count (each of `ranks` processes). A tensor-parallel rank also binds
+    the calling thread, and the threads it starts later, to its own cores (rank_cores): a collective's latency
+    doubled when ranks floated over each other's cores (docs/operating.md, "CPU threads"). None, changing nothing,
+    on another device."""
     import torch
 
     if device_type != "cpu":
         return None
     cores = usable_cores()
-    rule = choose_threads(cores.count, num_threads, os.environ.get("OMP_NUM_THREADS"))
+    rule = choose_threads(cores.count, num_threads, os.environ.get("OMP_NUM_THREADS"), ranks)
+    own = rank_cores(os.sched_getaffinity(0), cores.count, rank, ranks) if hasattr(os, "sched_setaffinity") else None
+    if own:
+        os.sched_setaffinity(0, own)
     torch.set_num_threads(rule.count)
-    choice = ThreadChoice(rule.count, f"{rule.reason}; {cores.describe()}")
+    bound = f"; bound to cores {sorted(own)}" if own else ""
+    choice = ThreadChoice(rule.count, f"{rule.reason}; {cores.describe()}{bound}")
     logger.info("tritium engine: %d intra-op threads, %s", choice.count, choice.reason)
     return choice

@@ -12,12 +12,14 @@ import torch
 from tritium.backend.config import EngineConfig, SpeculativeConfig
 from tritium.backend.core.batch import SchedulerOutput
 from tritium.backend.core.sequence import Sequence
-from tritium.backend.layers.attention import check_attention_backend, get_attention_backend
+from tritium.backend.layers.attention import AttentionBackend, check_attention_backend, get_attention_backend
+from tritium.backend.layers.parallel import CollectiveTime
 from tritium.backend.lora.weights import LoraStacks
 from tritium.backend.model_config import ModelConfig, ModelFolderError
 from tritium.backend.models.loader import load_model
+from tritium.backend.models.sharding import shard_config
 from tritium.backend.sample.sampler import Sampler, SamplerOutput
-from tritium.backend.sample.settings import RowSettings, row_settings_slots
+from tritium.backend.sample.settings import RowSettings
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.spec.draft_model import DraftModel, draft_footprint
 from tritium.backend.spec.proposer import DraftProposer
@@ -27,10 +29,11 @@ from tritium.backend.structured_output.decoding import StructuredDecoding
 from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets, use_decode_graphs
 from tritium.backend.worker.device import set_up_device, use_device
 from tritium.backend.worker.kv_sizing import num_kv_blocks
-from tritium.backend.worker.memory_budget import MemoryPlan
-from tritium.backend.worker.model_runner import ModelRunner, step_input_slots
+from tritium.backend.worker.memory_budget import MemoryPlan, module_bytes
+from tritium.backend.worker.model_runner import ModelRunner, logit_rows, staging_capacity
+from tritium.backend.worker.ranks import RankProcesses, RanksFailed, rank_device
 from tritium.backend.worker.staging import StagingBuffer, stage_row_settings
-from tritium.backend.worker.threads import ThreadChoice, set_up_threads
+from tritium.backend.worker.threads import CoreBinding, ThreadChoice, set_up_threads
 
 if TYPE_CHECKING:
     import llguidance
@@ -72,6 +75,10 @@ class WorkerInfo:
     lora_stacks: LoraStacks | None  # the adapter slots on the device (the engine's LoraManager writes them)
     # (rope type, original context) of a rotary whose rotation depends on a sequence's length within max_model_len
     length_dependent_rope: tuple[str, int] | None
+    tensor_parallel_size: int = 1  # the model's ranks (model_config is the whole model's; each rank holds a shard)
+    weight_bytes: int = 0  # the model's weights this process holds (rank 0's shard)
+    kv_cache_bytes: int = 0  # the KV cache this process holds
+    collective_time: CollectiveTime | None = None  # rank 0's collectives so far (counted on a CPU)
 
 
 class Worker:
@@ -80,7 +87,6 @@ class Worker:
 
     def __init__(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler) -> None:
         device = set_up_device(config)
-        threads = set_up_threads(config.num_threads, device.type)
         dtype = config.torch_dtype(device)
         backend = get_attention_backend(config.attention_backend, device)
         model_config = ModelConfig.from_folder(model_path)
@@ -88,7 +94,27 @@ class Worker:
         if config.enable_lora and model_config.is_moe:
             raise ModelFolderError(f"enable_lora: LoRA of a mixture-of-experts model ({model_config.architecture}) "
                                    "is not implemented")
-        model = load_model(model_path, dtype, device, config.max_model_len, config.quantization, backend=backend)
+        self.ranks: RankProcesses | None = None
+        if config.tensor_parallel_size > 1:
+            shard_config(model_config, config.tensor_parallel_size)  # sizes the ranks cannot split: refused first
+            rank_device(config, 0)
+            self.ranks = RankProcesses(config, model_path, device)  # spawned before rank 0 binds its cores
+        self._bound = CoreBinding.of_this_thread()  # restored by shutdown
+        threads = set_up_threads(config.num_threads, device.type, config.tensor_parallel_size)
+        try:
+            self._build(config, model_path, grammars, device, dtype, backend, model_config, threads)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, model_path: Path, grammars: GrammarCompiler, device: torch.device,
+               dtype: torch.dtype, backend: AttentionBackend, model_config: ModelConfig,
+               threads: ThreadChoice | None) -> None:
+        ranks = self.ranks
+        # the model's layers sum over the ranks; a draft model (rank 0's alone) keeps the one-rank backend
+        model_backend = backend.on_ranks(ranks.group) if ranks is not None else backend
+        model = load_model(model_path, dtype, device, config.max_model_len, config.quantization,
+                           backend=model_backend)
         max_model_len = config.max_model_len or model.config.max_position_embeddings
         seqs = config.max_num_seqs
         use_graphs, why = use_decode_graphs(device.type, backend.name, config.enforce_eager)
@@ -103,29 +129,38 @@ class Worker:
         draft_weights, draft_block = draft_footprint(spec.model, dtype, config.block_size) \
             if spec is not None and spec.model is not None else (0, 0)
         adapters = stacks.nbytes if stacks is not None else 0
-        # A speculating sequence samples at each verified position: a logit row and row settings for each.
-        rows = seqs * (1 + spec.num_speculative_tokens) if spec is not None else seqs
+        rows = logit_rows(config)  # a row and row settings per verified position
         sizing = num_kv_blocks(config, model, device, dtype, max_model_len, max(buckets, default=0),
                                adapters + draft_weights, draft_block, rows)
-        slots = step_input_slots(seqs, config.max_num_batched_tokens, max_model_len, config.block_size,
-                                 lora=config.enable_lora)
+        num_blocks = model_backend.parallel.min_int(sizing.num_blocks)  # every rank's cache the same size
         self.device = device
-        self.staging = StagingBuffer(slots + (rows - seqs) + row_settings_slots(rows), device)
-        self.runner = ModelRunner(model, backend, sizing.num_blocks, config.block_size, dtype, device, seqs,
+        self.staging = StagingBuffer(staging_capacity(config, max_model_len), device)
+        self.runner = ModelRunner(model, model_backend, num_blocks, config.block_size, dtype, device, seqs,
                                   max_model_len, self.staging, DecodeGraphs(buckets, device), stacks)
         self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=device)
         self.structured = StructuredDecoding(grammars, device, rows)  # a mask per verified position too
         self.proposer: DraftProposer | None = None
         if spec is not None:
-            drafter = DraftModel(spec.model, model_path, model.config, dtype, device, max_model_len,
-                                 sizing.num_blocks, config.block_size, backend) if spec.model is not None else None
+            drafter = DraftModel(spec.model, model_path, model_config, dtype, device, max_model_len,
+                                 num_blocks, config.block_size, backend) if spec.model is not None else None
             self.proposer = DraftProposer(spec, max_model_len, config.block_size, self.structured.draft_prefix,
                                           drafter)
         warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
+        if ranks is not None:
+            ranks.wait_ready()
         rope = self.runner.rope
         rule = (rope.kind, rope.original) if rope is not None and max_model_len > rope.original else None
-        self.info = WorkerInfo(device, dtype, model.config, max_model_len, sizing.num_blocks, backend.name, buckets,
-                               warm_up_s, threads, sizing.plan, stacks, rule)
+        self.info = WorkerInfo(device, dtype, model_config, max_model_len, num_blocks, backend.name, buckets,
+                               warm_up_s, threads, sizing.plan, stacks, rule, config.tensor_parallel_size,
+                               module_bytes(model), sum(k.nbytes + v.nbytes for k, v in self.runner.kv_caches),
+                               model_backend.parallel.time if ranks is not None else None)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel ranks' processes (none: nothing to do) and give the thread that built the engine
+        its cores back (when called on it); idempotent."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self._bound.restore()
 
     def add_request(self, request_id: str, params: SamplingParams, matcher: llguidance.LLMatcher | None) -> None:
         """`matcher` None: compiled here. Raises ValueError, holding nothing of the request, when its
@@ -157,11 +192,16 @@ class Worker:
             self.runner.release(seq.request_id)
             if self.proposer is not None:
                 self.proposer.forget_cache(seq.request_id)
+        if self.ranks is not None and self.ranks.lost is not None:
+            raise RanksFailed(self.ranks.lost)
         speculating = any(batch.drafts)
         rows = position_views(batch.sampling, batch.drafts) if speculating else batch.sampling
         pending_masks = self.structured.start(batch.sampling, batch.drafts if speculating else None)
         try:
             logits, settings = self.forward(batch, rows)
+        except RanksFailed:  # the ranks' collectives are out of step: no further step can run
+            self.structured.wait(pending_masks)
+            raise
         except Exception:
             logger.exception("model step failed for %s", [s.seq.request_id for s in batch.scheduled])
             self.structured.wait(pending_masks)  # the mask thread must be done with its buffer before the next step
@@ -177,12 +217,20 @@ class Worker:
         return result
 
     def forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
-        """Stage and upload the inputs and `rows`' settings, run the forward pass: logits and settings on device."""
+        """Stage and upload the inputs and `rows`' settings (sent to the other ranks), run the forward pass: logits and
+        settings on device. Raises RanksFailed when the ranks cannot finish the step together."""
         self.staging.begin()
         step = self.runner.prepare(batch.scheduled)
         staged = stage_row_settings(self.staging, rows)
         self.staging.upload()
-        logits = self.runner.execute(step)
+        if self.ranks is None:
+            logits = self.runner.execute(step)
+        else:
+            self.ranks.send(step, self.staging.staged())
+            try:
+                logits = self.runner.execute(step)
+            except Exception as exc:
+                raise self.ranks.failure(exc) from exc
         return logits, staged.tensors(self.staging) if staged is not None else None
 
     def _verify(self, batch: SchedulerOutput, sampled: SamplerOutput) -> Verified:

@@ -149,6 +149,26 @@ def run_moe_cpu(args: argparse.Namespace) -> int:
     return 0
 
 
+def tp_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench tp`'s options."""
+    p.add_argument("--ranks", type=int, default=2, help="tensor-parallel ranks against one rank")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
+    p.add_argument("--steps", type=int, default=24, help="decode steps timed per run (their median)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per setup, alternating with the other setup")
+    p.add_argument("--shapes", nargs="+", default=["default-size", "tiny"], choices=["default-size", "tiny"],
+                   help="the models")
+    options.out_dir(p)
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    """bench/tensor_parallel.py; returns 0."""
+    from tritium.client.bench.tensor_parallel import run_tensor_parallel_benchmark
+
+    run_tensor_parallel_benchmark(ranks=args.ranks, batches=tuple(args.batches), steps=args.steps,
+                                  repeats=args.repeats, shapes=tuple(args.shapes), out_dir=args.out_dir)
+    return 0
+
+
 def structured_options(p: argparse.ArgumentParser) -> None:
     """`tritium bench structured`'s options."""
     options.num_requests(p, 32, help="requests submitted at once")
@@ -372,6 +392,8 @@ SCENARIOS = (
              run_lora),
     Scenario("families", "Qwen3, Phi-3, Gemma 2/3 beside Llama of the same size (load, tok/s); decode vs context "
              "with and without a sliding window", families_options, run_families),
+    Scenario("tp", "tensor parallelism on this host: decode step and tok/s at N ranks vs 1 rank with the same "
+             "threads, the collectives' share, memory per rank", tp_options, run_tp),
     Scenario("moe-cpu", "MoE on this CPU: decode step vs a dense model of two experts' MLP (batch 1-32), packed vs "
              "stacked experts, tiny MoE families' tok/s", moe_cpu_options, run_moe_cpu),
     Scenario("spec", "one stream with and without speculative decoding (n-gram, a draft model): ITL, acceptance",

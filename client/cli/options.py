@@ -14,6 +14,7 @@ DEFAULT_OUT_DIR = "bench_results"
 # The engine's weight-only schemes (backend/config.py QUANTIZATIONS; not imported: it loads torch, and
 # `tritium --help` stays fast; tests/unit/test_cli_options.py keeps the two equal).
 QUANTIZATIONS = ("int8", "int4")
+MAX_TENSOR_PARALLEL_SIZE = 64  # backend/config.py's, not imported for the same reason
 
 
 def url(p: argparse.ArgumentParser, help: str, default: str = DEFAULT_GRPC_URL) -> None:
@@ -63,6 +64,22 @@ def out_dir(p: argparse.ArgumentParser, flag: str = "--out-dir", default: str = 
 def quantization(p: argparse.ArgumentParser, help: str) -> None:
     """`--quantization`: the engine's weight-only scheme (None: the weights stay in their dtype)."""
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=help)
+
+
+def tensor_parallel_size(p: argparse.ArgumentParser, help: str) -> None:
+    """`--tensor-parallel-size N`: the ranks (processes, GPUs on CUDA) one model is sharded over; None: not given."""
+    p.add_argument("--tensor-parallel-size", type=_tensor_parallel_size, default=None, metavar="N", help=help)
+
+
+def _tensor_parallel_size(text: str) -> int:
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_TENSOR_PARALLEL_SIZE} (the ranks one "
+                                         f"model is sharded over), got {text!r}")
+    return size
 
 
 def num_requests(p: argparse.ArgumentParser, default: int | None, help: str | None = None) -> None:

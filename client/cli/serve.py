@@ -68,6 +68,10 @@ def add_parser(subparsers: Any) -> None:
                         "CPU, bfloat16 on CUDA; bfloat16 is faster on CPUs with bf16 instructions)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="the engines' intra-op threads on a CPU (model.json's num_threads; default: sized to the host)")
+    options.tensor_parallel_size(p, help="shard each engine model over N ranks, one process each (GPUs cuda:0 to "
+                                 "cuda:N-1 of CUDA_VISIBLE_DEVICES on CUDA; gloo on a CPU): sets model.json's "
+                                 "tensor_parallel_size and, with N > 1, instance_group [{ count: 1, kind: "
+                                 "KIND_MODEL }] in a copy of the repository (default: what model.json says)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve the PEFT LoRA adapter in folder PATH as NAME on the tritium and tritium_ids models "
                    "(repeat; sets model.json's enable_lora and lora_modules in a copy of the repository)")
@@ -136,6 +140,35 @@ def engine_settings(repository: Path, overrides: dict[str, object],
     return {name: overrides | (lora if name in LORA_MODELS else {}) for name in engines}
 
 
+def engine_instance_groups(repository: Path, tensor_parallel_size: int | None) -> dict[str, str]:
+    """The engine models' instance_group for `--tensor-parallel-size`: one KIND_MODEL instance each with N > 1
+    (a KIND_GPU instance holds one GPU, and is refused), else none changed."""
+    from tritium.client.triton.repository import MODEL_INSTANCE_GROUP
+
+    if tensor_parallel_size is None or tensor_parallel_size == 1:
+        return {}
+    return {name: MODEL_INSTANCE_GROUP for name in engine_settings(repository, {}, {})}
+
+
+def check_tensor_parallel(args: argparse.Namespace, served: ServedModel | None, lora: dict[str, Any]) -> None:
+    """Raises ValueError naming --tensor-parallel-size when N > 1 cannot serve: with LoRA, or a --model whose
+    heads or sizes N does not divide (before tritonserver starts)."""
+    size = args.tensor_parallel_size
+    if size is None or size == 1:
+        return
+    if lora:
+        raise ValueError(f"--tensor-parallel-size {size}: LoRA adapters (--lora, --enable-lora) with tensor "
+                         "parallelism are not implemented")
+    if served is not None and served.folder is not None:
+        from tritium.backend.model_config import ModelConfig, ModelFolderError
+        from tritium.backend.models.sharding import shard_config
+
+        try:
+            shard_config(ModelConfig.from_folder(Path(served.folder)), size)
+        except ModelFolderError as exc:
+            raise ValueError(f"--tensor-parallel-size {size}: --model {args.model}: {exc}") from None
+
+
 def served_model(args: argparse.Namespace) -> ServedModel | None:
     """`--model` resolved and checked, named by `--served-model-name`; None without either option. Raises
     ValueError naming --model and why its folder cannot load (the loader's message)."""
@@ -166,7 +199,9 @@ def repository_changes(args: argparse.Namespace, repository: Path, lora: dict[st
     """(model.json settings, config.pbtxt parameters) per model of `repository` that the options change;
     both empty when they change nothing (the repository is then served as it is)."""
     overrides = {key: value for key, value in (("quantization", args.quantization), ("dtype", args.dtype),
-                                               ("num_threads", args.num_threads)) if value is not None}
+                                               ("num_threads", args.num_threads),
+                                               ("tensor_parallel_size", args.tensor_parallel_size))
+                 if value is not None}
     settings = engine_settings(repository, overrides, lora) if overrides or lora else {}
     if served is None:
         return settings, {}
@@ -199,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lora = lora_settings(args.lora, args.enable_lora)
         served = served_model(args)  # before tritonserver: a folder that cannot load fails here, with its reason
+        check_tensor_parallel(args, served, lora)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -206,17 +242,21 @@ def run(args: argparse.Namespace) -> int:
         os.environ[ADMIN_KEY_ENV] = args.admin_key
     repository = Path(args.model_repository).resolve()
     per_model, parameters = repository_changes(args, repository, lora, served)
-    copied = bool(per_model or parameters)
+    groups = engine_instance_groups(repository, args.tensor_parallel_size)
+    copied = bool(per_model or parameters or groups)
     if copied:  # a copy of the repository with the models' settings changed; the original stays
         import tempfile
 
         from tritium.client.triton.repository import copy_with_settings
 
         copy = Path(tempfile.mkdtemp(prefix="tritium-repository-")) / "repository"
-        repository = copy_with_settings(copy, per_model, source=repository, parameters=parameters)
+        repository = copy_with_settings(copy, per_model, source=repository, parameters=parameters,
+                                        instance_groups=groups)
         for name in sorted(per_model):
             if per_model[name]:
                 print(f"serving a copy of the repository with {per_model[name]} for {name}", flush=True)
+        for name in sorted(groups):
+            print(f"serving {name} with {groups[name]} (its engine places its ranks)", flush=True)
         if served is not None and served.name is not None:
             print(f"serving the model as {served.name!r} (the OpenAI endpoint's model id)", flush=True)
     server_options = ServerOptions(

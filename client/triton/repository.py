@@ -7,6 +7,7 @@ here, never by hand, so what they serve is the packaged model with only the sett
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,6 +15,9 @@ from typing import Any
 
 PACKAGE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 _IGNORE = shutil.ignore_patterns("__pycache__")
+# One instance whose engine places its devices itself: a tensor-parallel engine's ranks on cuda:0..N-1.
+MODEL_INSTANCE_GROUP = "instance_group [ { count: 1, kind: KIND_MODEL } ]"
+_INSTANCE_GROUP = re.compile(r"^[ \t]*instance_group\s*:?\s*\[", re.MULTILINE)
 
 
 def packaged_settings(model: str = "tritium", version: int = 1) -> dict[str, Any]:
@@ -58,12 +62,27 @@ def write_multi_lora(version_dir: Path, adapters: Mapping[str, str]) -> Path:
     return path
 
 
+def with_instance_group(config: str, group: str) -> str:
+    """config.pbtxt text `config` with its instance_group replaced by `group` (added when it has none)."""
+    found = _INSTANCE_GROUP.search(config)
+    if found is None:
+        return config + ("" if config.endswith("\n") else "\n") + group + "\n"
+    depth = 0
+    for end in range(found.end() - 1, len(config)):  # from its "[" to the matching "]" (gpus: [...] nest)
+        depth += {"[": 1, "]": -1}.get(config[end], 0)
+        if depth == 0:
+            return config[:found.start()] + group + config[end + 1:]
+    raise ValueError(f"config.pbtxt: its instance_group has no closing ']': {config[found.start():][:80]!r}")
+
+
 def copy_with_settings(dest: Path, overrides: Mapping[str, Mapping[str, Any]],
                        source: Path = PACKAGE_REPOSITORY,
-                       parameters: Mapping[str, Mapping[str, str]] | None = None) -> Path:
+                       parameters: Mapping[str, Mapping[str, str]] | None = None,
+                       instance_groups: Mapping[str, str] | None = None) -> Path:
     """A copy of the whole repository `source` at `dest`, each named model's version-1 `model.json` updated
-    with its overrides ({model: settings}) and its `config.pbtxt` given the string `parameters` named for it
-    ({model: {key: value}}); models not named are copied as they are."""
+    with its overrides ({model: settings}), its `config.pbtxt` given the string `parameters` named for it
+    ({model: {key: value}}) and its instance_group replaced by the one named for it ({model: "instance_group
+    [...]"}); models not named are copied as they are."""
     from tritium.client.triton.served_model import pbtxt_parameters
 
     shutil.copytree(source, dest, ignore=_IGNORE, dirs_exist_ok=True)
@@ -75,4 +94,7 @@ def copy_with_settings(dest: Path, overrides: Mapping[str, Mapping[str, Any]],
         config = dest / model / "config.pbtxt"
         text = config.read_text(encoding="utf-8")
         config.write_text(text + ("" if text.endswith("\n") else "\n") + pbtxt_parameters(params), encoding="utf-8")
+    for model, group in (instance_groups or {}).items():
+        config = dest / model / "config.pbtxt"
+        config.write_text(with_instance_group(config.read_text(encoding="utf-8"), group), encoding="utf-8")
     return dest

@@ -34,6 +34,8 @@ DEFAULTS = {
     "lora": {"num_requests": 32, "output_len": 128, "input_len": 64, "repeats": 4, "out_dir": OUT},
     "families": {"num_requests": 16, "output_len": 64, "window": 512, "contexts": [512, 1024, 2048, 4096],
                  "out_dir": OUT},
+    "tp": {"ranks": 2, "batches": [1, 32], "steps": 24, "repeats": 2, "shapes": ["default-size", "tiny"],
+           "out_dir": OUT},
     "moe-cpu": {"batches": [1, 8, 32], "steps": 16, "num_requests": 16, "output_len": 64, "out_dir": OUT},
     "spec": {"num_requests": 4, "output_len": 128, "repeats": 2, "num_speculative_tokens": 4, "draft_model": None,
              "draft_layers": None, "smoke": False, "out_dir": OUT},

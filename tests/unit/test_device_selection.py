@@ -60,3 +60,22 @@ def test_use_device_leaves_cpu_and_unindexed_cuda_alone(monkeypatch: pytest.Monk
     assert calls == []
     use_device(torch.device("cuda:1"))
     assert calls == [torch.device("cuda:1")]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("configured", ["auto", "cuda", "cuda:1"])
+def test_kind_gpu_refuses_tensor_parallelism(size: int, configured: str) -> None:
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size {size}.*KIND_GPU.*KIND_MODEL") as info:
+        select_device(gpu("1"), configured, size)
+    assert f"cuda:0 to cuda:{size - 1} of CUDA_VISIBLE_DEVICES" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["MODEL", "CPU", "AUTO"])
+@pytest.mark.parametrize("configured", ["auto", "cpu", "cuda", "cuda:2"])
+def test_tensor_parallelism_keeps_model_json_device_outside_kind_gpu(kind: str, configured: str) -> None:
+    args = {"model_instance_kind": kind, "model_instance_device_id": "0"}
+    assert select_device(args, configured, 2) == configured
+
+
+def test_kind_gpu_with_one_rank_follows_triton() -> None:
+    assert select_device(gpu("3"), "auto", 1) == "cuda:3"

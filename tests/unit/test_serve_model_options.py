@@ -128,6 +128,38 @@ def test_the_repository_copy_names_the_model_everywhere_and_settings_only_on_the
     assert SERVED_NAME not in (PACKAGE_REPOSITORY / "tritium" / "config.pbtxt").read_text()
 
 
+def test_tensor_parallel_engines_get_one_kind_model_instance_and_their_size(tmp_path: Path) -> None:
+    args = serve_args("--tensor-parallel-size=2")
+    settings, _ = serve.repository_changes(args, PACKAGE_REPOSITORY, {}, None)
+    groups = serve.engine_instance_groups(PACKAGE_REPOSITORY, args.tensor_parallel_size)
+    assert sorted(groups) == ["tritium", "tritium_ids"]
+    copy = copy_with_settings(tmp_path / "repo", settings, source=PACKAGE_REPOSITORY, instance_groups=groups)
+    for name in TRITIUM_MODELS:
+        config = text_format.Parse((copy / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        kinds = [(g.count, model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind)) for g in config.instance_group]
+        engine = name in ("tritium", "tritium_ids")
+        assert (kinds == [(1, "KIND_MODEL")]) == engine
+        assert (json.loads((copy / name / "1" / "model.json").read_text()).get("tensor_parallel_size") == 2) == engine
+    assert serve.engine_instance_groups(PACKAGE_REPOSITORY, 1) == {}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tensor-parallel-size=0"], "expected an integer from 1 to 64"),
+    (["--tensor-parallel-size=2", "--enable-lora"], "LoRA adapters (--lora, --enable-lora) with tensor parallelism"),
+])
+def test_tensor_parallel_sizes_serve_cannot_use_are_refused_before_a_server_starts(
+        argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def no_server(*_: object) -> None:
+        raise AssertionError("tritonserver must not be started")
+
+    monkeypatch.setattr(TritonServer, "__init__", no_server)
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_without_model_options_the_repository_is_served_as_it_is() -> None:
     assert serve.repository_changes(serve_args(), PACKAGE_REPOSITORY, {}, None) == ({}, {})
     settings, parameters = serve.repository_changes(serve_args("--served-model-name=chat"), PACKAGE_REPOSITORY, {},
