@@ -120,6 +120,10 @@ class LLMEngine:
     def worker_info(self) -> WorkerInfo:
         return self.worker.info
 
+    def check_alive(self) -> None:
+        """Raises RanksFailed once a tensor-parallel rank is gone (the engine cannot step again)."""
+        self.worker.check_alive()
+
     def shutdown(self) -> None:
         """Release what outlives a dropped engine: the tensor-parallel ranks' processes. Idempotent."""
         self.worker.shutdown()

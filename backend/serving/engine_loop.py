@@ -267,6 +267,7 @@ class EngineLoop:
             with self._lock:
                 while not (self._stopping or self._to_admit or self._calls or self.engine.has_unfinished_requests()):
                     self._work.wait(IDLE_WAIT_S)
+                    self.engine.check_alive()  # a tensor-parallel rank lost while idle fails the engine now
                 if self._stopping:
                     return
                 admit, calls, aborts = list(self._to_admit), list(self._calls), self._to_abort

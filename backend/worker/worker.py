@@ -155,6 +155,11 @@ class Worker:
                                module_bytes(model), sum(k.nbytes + v.nbytes for k, v in self.runner.kv_caches),
                                model_backend.parallel.time if ranks is not None else None)
 
+    def check_alive(self) -> None:
+        """Raises RanksFailed once a tensor-parallel rank is gone; nothing for one rank."""
+        if self.ranks is not None and self.ranks.lost is not None:
+            raise RanksFailed(self.ranks.lost)
+
     def shutdown(self) -> None:
         """End the tensor-parallel ranks' processes (none: nothing to do) and give the thread that built the engine
         its cores back (when called on it); idempotent."""
@@ -192,8 +197,7 @@ class Worker:
             self.runner.release(seq.request_id)
             if self.proposer is not None:
                 self.proposer.forget_cache(seq.request_id)
-        if self.ranks is not None and self.ranks.lost is not None:
-            raise RanksFailed(self.ranks.lost)
+        self.check_alive()
         speculating = any(batch.drafts)
         rows = position_views(batch.sampling, batch.drafts) if speculating else batch.sampling
         pending_masks = self.structured.start(batch.sampling, batch.drafts if speculating else None)

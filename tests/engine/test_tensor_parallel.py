@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +18,13 @@ import pytest
 
 from tritium.backend import LLM, SamplingParams
 from tritium.backend.model_config import ModelFolderError
+from tritium.backend.serving.engine_loop import EngineLoop
+from tritium.backend.serving.jobs import ENGINE_FAILED, Job
 from tritium.backend.worker.ranks import RanksFailed
 
 from support.checkpoints import save_tiny
 from support.hf_reference import hf_greedy
+from support.sinks import RecordingSink
 
 pytestmark = pytest.mark.slow  # every engine here spawns a rank process
 
@@ -97,8 +102,8 @@ def test_two_ranks_give_one_ranks_tokens_under_preemption(kv_heads: int, make_ll
 
 def test_int8_speculation_and_structured_output_run_on_two_ranks(make_llm: Callable[..., LLM], tmp_path: Path,
                                                                  default_model_path: Path) -> None:
-    """Sampling, drafts and grammars stay on rank 0: an n-gram-speculating engine's greedy tokens are the plain
-    engine's, a regex is kept; int8 weights quantized per rank give tokens close to one rank's int8."""
+    """Sampling, drafts and grammars stay on rank 0: n-gram- and draft-model-speculating engines' greedy tokens are
+    the plain engine's, a regex is kept; int8 weights quantized per rank give tokens close to one rank's int8."""
     path = save_tiny("llama", tmp_path / "llama", default_model_path)
     base = make_llm(str(path), kv_cache_bytes=4 << 20, max_model_len=128, **TP2)
     spec = make_llm(str(path), kv_cache_bytes=4 << 20, max_model_len=128,
@@ -108,6 +113,13 @@ def test_int8_speculation_and_structured_output_run_on_two_ranks(make_llm: Calla
     assert [o.token_ids for o in spec.generate(repeating, params)] == \
         [o.token_ids for o in base.generate(repeating, params)]
     assert spec.engine.spec_totals is not None and spec.engine.spec_totals.num_draft_tokens > 0
+    # a draft model is rank 0's alone, on the one-rank kernels: its layers must not wait for the other rank
+    drafted = make_llm(str(path), kv_cache_bytes=4 << 20, max_model_len=128,
+                       speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 2},
+                       **TP2)
+    assert [o.token_ids for o in drafted.generate(repeating, params)] == \
+        [o.token_ids for o in base.generate(repeating, params)]
+    assert drafted.engine.spec_totals is not None and drafted.engine.spec_totals.num_accepted_tokens > 0
     digits = SamplingParams(temperature=0, max_tokens=8, structured_output={"regex": "[0-9]{3}"})
     out = base.generate(prompts_of(base)[:1], digits)[0]
     assert out.text.isdigit() and len(out.text) == 3
@@ -162,6 +174,48 @@ def test_a_rank_that_hangs_fails_the_step_within_the_step_timeout(tiny_llama_pat
     finally:
         llm.shutdown()
     assert gone(pid)
+
+
+def test_a_rank_lost_while_idle_fails_the_served_engine_and_its_requests_get_an_error(tiny_llama_path: Path) -> None:
+    llm = LLM(str(tiny_llama_path), kv_cache_bytes=4 << 20, max_model_len=128, **TP2)
+    loop = EngineLoop(llm.engine)
+    loop.start()
+    try:
+        (pid,) = rank_pids(llm)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not loop.failed and time.monotonic() < deadline:  # the idle engine thread checks its ranks
+            time.sleep(0.05)
+        assert loop.failed
+        sink = RecordingSink()
+        loop.submit(Job(request_id="late", params=GREEDY, sink=sink, prompt="Hi"))
+        assert sink.done.wait(10)
+        assert sink.errors and sink.errors[0][0].startswith(ENGINE_FAILED[0])
+    finally:
+        loop.stop()
+        llm.shutdown()
+
+
+def test_ranks_exit_when_the_engines_process_is_killed(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """No stop message reaches them: each rank sees its parent gone and exits."""
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import sys, time\n"
+        "from tritium.backend import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_llama_path)!r}, kv_cache_bytes=4 << 20, max_model_len=128, tensor_parallel_size=2)\n"
+        "    print(*[p.pid for p in llm.engine.worker.ranks.processes], flush=True)\n"
+        "    time.sleep(600)\n")
+    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None
+        pids = [int(pid) for pid in engine.stdout.readline().split()]
+        assert pids
+        engine.kill()
+        engine.wait(10)
+        assert all(gone(pid, wait_s=30) for pid in pids)
+    finally:
+        engine.kill()
 
 
 def test_shutdown_ends_the_rank_processes(tiny_llama_path: Path) -> None:
