@@ -22,6 +22,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # core/waiting_queue.py
 QUANTIZATIONS = ("int8", "int4")  # weight-only schemes (models/quantization.py)
 CPU_ONLY_QUANTIZATIONS = ("int4",)
 MAX_TENSOR_PARALLEL_SIZE = 64
+EMBEDDING_POOLINGS = ("last", "mean", "cls")  # worker/pooling.py
 
 
 def check_quantization(value: object) -> None:
@@ -131,6 +132,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority" (docs/priority.md)
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
     tensor_parallel_size: int = 1  # ranks one model is sharded over: one process each (worker/ranks.py)
+    # embeddings (LLMEngine.embed): None takes the model folder's sentence-transformers files, else "last" / true
+    embedding_pooling: str | None = None  # "last", "mean" or "cls" (worker/pooling.py)
+    embedding_normalize: bool | None = None  # L2-normalise each vector
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -163,6 +167,7 @@ class EngineConfig:
             check_quantization_device(self.quantization, torch.device("cuda"))
         SpeculativeConfig.parse(self.speculative_config)
         self._check_lora()
+        self._check_embedding()
         self._check_scheduling()
         self._check_tensor_parallel()
 
@@ -182,6 +187,13 @@ class EngineConfig:
         aging = self.priority_aging_s
         if isinstance(aging, bool) or not isinstance(aging, (int, float)) or not 0 < aging < float("inf"):
             raise ValueError(f"priority_aging_s must be a number of seconds > 0, got {aging!r}")
+
+    def _check_embedding(self) -> None:
+        if self.embedding_pooling is not None and self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(f"embedding_pooling must be one of {', '.join(map(repr, EMBEDDING_POOLINGS))} (or null: "
+                             f"the model folder's, else 'last'), got {self.embedding_pooling!r}")
+        if self.embedding_normalize is not None and not isinstance(self.embedding_normalize, bool):
+            raise ValueError(f"embedding_normalize must be true or false (or null), got {self.embedding_normalize!r}")
 
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

@@ -9,9 +9,12 @@ from itertools import count
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from tritium.backend.config import EngineConfig, SpeculativeConfig
-from tritium.backend.core.batch import SchedulerOutput
+from tritium.backend.core.batch import ScheduledSequence, SchedulerOutput
 from tritium.backend.core.block_manager import BlockManager
+from tritium.backend.core.embed_batches import embedding_batches
 from tritium.backend.core.rotary_rule import RotaryLengthRule
 from tritium.backend.core.scheduler import Scheduler
 from tritium.backend.core.sequence import Sequence
@@ -24,6 +27,7 @@ from tritium.backend.outputs import RequestOutput, SpecDecodingStats
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.structured_output.compiler import CompileCallback, GrammarCompiler
 from tritium.backend.tokenizer import Tokenizer
+from tritium.backend.worker.pooling import PoolingConfig, pooling_config
 from tritium.backend.worker.worker import StepResult, Worker, WorkerInfo
 
 if TYPE_CHECKING:
@@ -108,6 +112,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = count()
+        self._embeddings = count()
+        self._pooling: PoolingConfig | None = None
         self._pending: list[RequestOutput] = []
         graphs = info.graph_buckets
         logger.info(
@@ -243,6 +249,52 @@ class LLMEngine:
             raise ValueError(f"priority must be 0 (got {priority}): this model schedules first come first served "
                              "(scheduling_policy \"fcfs\"); set scheduling_policy \"priority\" in its "
                              "settings to use request priorities")
+
+    @property
+    def pooling(self) -> PoolingConfig:
+        """How `embed` pools: the model folder's sentence-transformers files, else the settings, else "last" and
+        normalised (read on first use; raises ValueError naming a pooling mode it cannot run)."""
+        if self._pooling is None:
+            self._pooling = pooling_config(self.model_path, self.config.embedding_pooling,
+                                           self.config.embedding_normalize)
+        return self._pooling
+
+    def check_embedding_input(self, ids: list[int], name: str = "input") -> None:
+        """Raises ValueError naming `name` when `ids` cannot be embedded here: empty, outside the vocabulary, or
+        longer than the model's context. Any thread may call it."""
+        if not ids:
+            raise ValueError(f"{name} must not be empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{name} is {len(ids)} tokens; the model's context is {self.max_model_len} tokens")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"{name}: token ids must be in [0, {vocab})")
+
+    def embed(self, prompts: list[list[int]], pooling: PoolingConfig | None = None) -> torch.Tensor:
+        """fp32 vectors `[len(prompts), hidden]` on the CPU, one per token-id list, pooled by `pooling` (None: the
+        engine's `pooling`). The inputs run as prefill-only forward passes of at most max_num_batched_tokens tokens
+        (a longer input alone) on free KV blocks, freed right after; no cache outlives the call. The engine's thread,
+        between steps. Raises ValueError naming the first bad input (`input i`) before anything runs."""
+        config = pooling or self.pooling
+        ids = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(ids):
+            self.check_embedding_input(p, f"input {i}")
+        c, bm = self.config, self.block_manager
+        vectors = []
+        for batch in embedding_batches([len(p) for p in ids], c.max_num_batched_tokens, c.max_num_seqs,
+                                       bm.block_size, bm.num_free_blocks):
+            seqs = [Sequence(f"embed-{next(self._embeddings)}", None, ids[i], SamplingParams(), -1) for i in batch]
+            try:
+                for seq in seqs:
+                    if not bm.allocate(seq, seq.num_tokens):  # embedding_batches kept within the free blocks
+                        raise RuntimeError(f"no free KV blocks for {seq.num_tokens} embedding tokens")
+                vectors.append(self.worker.embed([ScheduledSequence(s, s.num_tokens) for s in seqs], config))
+            finally:
+                for seq in seqs:
+                    bm.free_sequence(seq)
+        if not vectors:
+            return torch.empty(0, self.model_config.hidden_size)
+        return torch.cat(vectors)
 
     def compile_structured_output(self, params: SamplingParams, done: CompileCallback) -> None:
         """Compile `params.structured_output` on the compiler's threads (any thread may call it), then call

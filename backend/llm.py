@@ -91,6 +91,21 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: Prompt | Seq[Prompt]) -> list[list[float]]:
+        """One vector per prompt (text or token ids), in order, pooled as the engine's `pooling` says
+        (docs/python.md#llm). Raises ValueError naming a bad input before running any."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"input {i} must not be empty")
+                ids.append(self.tokenizer.encode(p))
+            else:
+                ids.append(list(p))
+        return [row.tolist() for row in self.engine.embed(ids)]
+
     def shutdown(self) -> None:
         """End the engine's tensor-parallel ranks now (otherwise: when the LLM is collected or the process exits)."""
         self.engine.shutdown()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,50 @@ def _template_env() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+# What `Tokenizer.apply_chat_template` passes the template itself: extra variables may not take these names.
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+CHAT_TEMPLATE_KWARGS_FAILED = ("chat_template_kwargs: the model's chat template cannot be rendered with these "
+                               "values")
+
+
+class ChatTemplateKwargsError(ValueError):
+    """`chat_template_kwargs` that the chat template cannot take; the message names the field and never quotes
+    the template's own exception."""
+
+
+def _is_json(value: Any, depth: int = 0) -> bool:
+    """Whether `value` is what JSON holds: null, a boolean, a number, a string, a list or an object of them."""
+    if depth > 64:
+        return False
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v, depth + 1) for k, v in value.items())
+    return False
+
+
+@cache
+def _reserved_names() -> frozenset[str]:
+    return frozenset(RENDER_VARIABLES) | frozenset(_template_env().globals)
+
+
+def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """`kwargs` if it can be passed to a chat template as extra variables: an object of JSON values whose keys
+    are not names the renderer passes itself (`RENDER_VARIABLES`) nor the environment's globals
+    (`raise_exception`, `namespace`, ...). Raises ChatTemplateKwargsError naming `chat_template_kwargs`."""
+    if not isinstance(kwargs, dict):
+        raise ChatTemplateKwargsError(f"chat_template_kwargs must be a JSON object, got {type(kwargs).__name__}")
+    reserved = _reserved_names()
+    if taken := sorted(repr(k) for k in kwargs if not isinstance(k, str) or k in reserved):
+        raise ChatTemplateKwargsError(f"chat_template_kwargs: {', '.join(taken)} may not be set (the renderer "
+                                      f"passes {', '.join(sorted(reserved))} itself)")
+    if bad := sorted(repr(k) for k, v in kwargs.items() if not _is_json(v)):
+        raise ChatTemplateKwargsError(f"chat_template_kwargs: {', '.join(bad)} must hold JSON values")
+    return kwargs
 
 
 class Tokenizer:
@@ -104,9 +148,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def user_turn(self, text: str) -> str:
-        """`text` as the chat template's user turn, ready for the reply. Raises ValueError without a template."""
-        return self.apply_chat_template([{"role": "user", "content": text}])
+    def user_turn(self, text: str, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """`text` as the chat template's user turn, ready for the reply. Raises ValueError without a template,
+        ChatTemplateKwargsError when it cannot take `chat_template_kwargs`."""
+        return self.apply_chat_template([{"role": "user", "content": text}],
+                                        chat_template_kwargs=chat_template_kwargs)
 
     @cached_property
     def supports_tools(self) -> bool:
@@ -127,12 +173,30 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """`tools`: OpenAI's function objects, passed as transformers passes them. Raises ValueError when the
-        model has no template or it rejects the messages."""
+        """`tools`: OpenAI's function objects, passed as transformers passes them; `chat_template_kwargs`: extra
+        variables of the template (`enable_thinking`), checked by `check_chat_template_kwargs`. Raises ValueError
+        when the model has no template or it rejects the messages, ChatTemplateKwargsError when it rejects the
+        extra variables (it renders without them); the template may raise anything else on what the messages
+        hold."""
+        extra = check_chat_template_kwargs(chat_template_kwargs) if chat_template_kwargs is not None else {}
+        if not extra:
+            return self._render(messages, add_generation_prompt, tools, {})
+        try:
+            return self._render(messages, add_generation_prompt, tools, extra)
+        except Exception as exc:
+            try:
+                self._render(messages, add_generation_prompt, tools, {})
+            except Exception:
+                raise  # the messages' fault: the error they get without extra variables
+            raise ChatTemplateKwargsError(CHAT_TEMPLATE_KWARGS_FAILED) from exc
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> str:
         try:
             return self._compiled_template.render(
+                **extra,
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,

@@ -18,6 +18,7 @@ from tritium.backend.serving.request import (
     coerce_field,
     decode_text,
     parse_lora_name,
+    read_flag,
     sampling_from_dict,
     scalar,
 )
@@ -34,6 +35,7 @@ SCALAR_INPUTS: dict[str, type] = {name: SAMPLING_FIELDS[name].type for name in (
 @dataclass
 class IdsRequest(EngineRequest):
     stream: bool = False
+    return_num_cached_tokens: bool = False
 
 
 def parse_ids_request(inputs: dict[str, npt.NDArray[Any] | None]) -> tuple[list[int], dict[str, Any], bool]:
@@ -56,9 +58,11 @@ def parse_ids_request(inputs: dict[str, npt.NDArray[Any] | None]) -> tuple[list[
 
 
 class IdsSink(TritonSink):
-    def __init__(self, pb_utils: Any, sender: Any, prompt_ids: list[int], stream: bool) -> None:
+    def __init__(self, pb_utils: Any, sender: Any, prompt_ids: list[int], stream: bool,
+                 return_num_cached_tokens: bool = False) -> None:
         super().__init__(pb_utils, sender)
         self.stream = stream
+        self.return_num_cached_tokens = return_num_cached_tokens
         self.history = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])  # tokens already sent (tail) for context
         self.pending: list[int] = []
 
@@ -73,6 +77,8 @@ class IdsSink(TritonSink):
         self.history = (self.history + ids)[-PROMPT_CONTEXT_TOKENS:]
         tensors = [self.pb.Tensor("output_ids", np.array(ids, dtype=np.int32)),
                    self.pb.Tensor("context_ids", np.array(context, dtype=np.int32))]
+        if self.return_num_cached_tokens and out.finished:
+            tensors.append(self.pb.Tensor("num_cached_tokens", np.array([out.num_cached_tokens], dtype=np.uint32)))
         self._send_tensors(tensors, out)
 
 
@@ -90,7 +96,8 @@ class TritonPythonModel(EngineModel[IdsRequest]):
         if "priority" in parameters:
             sampling["priority"] = coerce_field("priority", parameters["priority"])
         return IdsRequest(params=sampling_from_dict(sampling), prompt_token_ids=prompt_ids, stream=stream,
-                          lora_name=parse_lora_name(lora))
+                          lora_name=parse_lora_name(lora),
+                          return_num_cached_tokens=read_flag("return_num_cached_tokens", inputs))
 
     def make_sink(self, sender: Any, parsed: IdsRequest) -> TritonSink:
-        return IdsSink(self.pb, sender, parsed.prompt_token_ids or [], parsed.stream)
+        return IdsSink(self.pb, sender, parsed.prompt_token_ids or [], parsed.stream, parsed.return_num_cached_tokens)

@@ -12,12 +12,14 @@ import numpy as np
 import numpy.typing as npt
 
 from tritium.backend.sampling_params import SAMPLING_FIELDS, SamplingParams
+from tritium.backend.tokenizer import check_chat_template_kwargs
 
 MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: longer prompts are refused before tokenization
 # vLLM's other names of `structured_output`, as Triton's vLLM backend takes them.
 STRUCTURED_OUTPUT_ALIASES = ("structured_outputs", "guided_decoding")
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "return_logprobs", "apply_chat_template")
+               "return_num_output_tokens", "return_num_cached_tokens", "return_logprobs", "apply_chat_template")
+CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"  # an input or a request parameter, with apply_chat_template
 
 
 @dataclass
@@ -39,8 +41,10 @@ class TextRequest(EngineRequest):
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
     return_logprobs: bool = False
     apply_chat_template: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the chat template
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -159,9 +163,34 @@ def parse_lora_name(value: Any) -> str | None:
     return value
 
 
+def read_flag(name: str, inputs: dict[str, npt.NDArray[Any] | None]) -> bool:
+    """A boolean input tensor's value; False when absent. Raises ValueError naming it."""
+    value = scalar(name, inputs.get(name))
+    return False if value is None else _as_bool(name, value)
+
+
+def parse_chat_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """`chat_template_kwargs`: a JSON object (as text, from an input tensor or a request parameter) whose keys
+    become variables of the chat template; None for null. Raises ValueError naming it."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, (bytes, str)):
+        text = decode_text(CHAT_TEMPLATE_KWARGS, value)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{CHAT_TEMPLATE_KWARGS} must be a JSON object: {exc.msg} at position {exc.pos}"
+                             ) from None
+        except RecursionError:
+            raise ValueError(f"{CHAT_TEMPLATE_KWARGS} is nested too deeply") from None
+    return None if value is None else check_chat_template_kwargs(value)
+
+
 def parse_text_request(inputs: dict[str, npt.NDArray[Any] | None], parameters: dict[str, Any]) -> TextRequest:
     """`inputs`: None where absent. Sampling fields and `lora_name` come from `sampling_parameters` (JSON) and
-    the request parameters, which win. Raises ValueError naming the field and the rule."""
+    the request parameters, which win; the flags and `chat_template_kwargs` (JSON, only with
+    `apply_chat_template`) from their inputs and the request parameters, which win. Raises ValueError naming the
+    field and the rule."""
     raw_text = scalar("text_input", inputs.get("text_input"))
     if raw_text is None:
         raise ValueError("text_input is required")
@@ -174,11 +203,14 @@ def parse_text_request(inputs: dict[str, npt.NDArray[Any] | None], parameters: d
         sampling.update(parse_sampling_json(decode_text("sampling_parameters", raw_sampling)))
     lora_name = parse_lora_name(sampling.pop("lora_name", None))
     flags = {name: _as_bool(name, v) for name in FLAG_INPUTS if (v := scalar(name, inputs.get(name))) is not None}
+    template_kwargs = parse_chat_template_kwargs(scalar(CHAT_TEMPLATE_KWARGS, inputs.get(CHAT_TEMPLATE_KWARGS)))
     for key, value in parameters.items():
         if key.startswith("triton_"):
             continue  # client/transport settings such as triton_enable_empty_final_response
         if key in FLAG_INPUTS:
             flags[key] = _as_bool(key, value)
+        elif key == CHAT_TEMPLATE_KWARGS:
+            template_kwargs = parse_chat_template_kwargs(value)
         elif key == "lora_name":
             lora_name = parse_lora_name(value)
         elif key in SAMPLING_FIELDS or key in STRUCTURED_OUTPUT_ALIASES:
@@ -186,6 +218,8 @@ def parse_text_request(inputs: dict[str, npt.NDArray[Any] | None], parameters: d
         else:
             raise ValueError(f"unknown request parameter {key!r}")
     flags.setdefault("exclude_input_in_output", flags.get("apply_chat_template", False))  # a chat reply alone
+    if template_kwargs is not None and not flags.get("apply_chat_template", False):
+        raise ValueError(f"{CHAT_TEMPLATE_KWARGS} is only used with apply_chat_template")
     # A text request has no token ids; naming that leaves `flags` only the boolean fields to fill.
     return TextRequest(prompt=prompt, prompt_token_ids=None, params=sampling_from_dict(sampling), lora_name=lora_name,
-                       **flags)
+                       chat_template_kwargs=template_kwargs, **flags)

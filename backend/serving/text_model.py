@@ -40,6 +40,8 @@ class TextSink(TritonSink):
             tensors.append(self.pb.Tensor("num_input_tokens", np.array([out.num_input_tokens], dtype=np.uint32)))
         if req.return_num_output_tokens:
             tensors.append(self.pb.Tensor("num_output_tokens", np.array([out.num_output_tokens], dtype=np.uint32)))
+        if req.return_num_cached_tokens and out.finished:  # the prefix-cache hit, known for sure at the end
+            tensors.append(self.pb.Tensor("num_cached_tokens", np.array([out.num_cached_tokens], dtype=np.uint32)))
         if req.return_logprobs:
             payload = [{str(k): v for k, v in entry.items()} for entry in logprobs or []]
             tensors.append(_bytes_tensor(self.pb, "logprobs", json.dumps(payload)))
@@ -52,7 +54,7 @@ class TritonPythonModel(EngineModel[TextRequest]):
     def parse(self, request: Any) -> TextRequest:
         parsed = parse_text_request(read_inputs(self.pb, request, self.input_names), request_parameters(request))
         if parsed.apply_chat_template:
-            parsed.prompt = self.engine.tokenizer.user_turn(parsed.prompt or "")
+            parsed.prompt = self.engine.tokenizer.user_turn(parsed.prompt or "", parsed.chat_template_kwargs)
         return parsed
 
     def make_sink(self, sender: Any, parsed: TextRequest) -> TritonSink:

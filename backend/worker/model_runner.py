@@ -173,16 +173,17 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.block_tables.release(request_id)
 
-    def prepare(self, batch: list[ScheduledSequence]) -> PreparedStep:
-        """Stage the step's inputs (decode rows first) in the buffer the caller began and uploads after."""
+    def prepare(self, batch: list[ScheduledSequence], prefill_only: bool = False) -> PreparedStep:
+        """Stage the step's inputs (decode rows first) in the buffer the caller began and uploads after.
+        `prefill_only`: every sequence a prefill chunk in batch order, one-token ones too (embeddings)."""
         bs = self.block_size
         tables = self.block_tables
         host = HostStep()
         last_row: dict[int, int] = {}  # id(scheduled) -> its last packed row
-        decode = [s for s in batch if s.num_new_tokens == 1]
+        decode = [s for s in batch if s.num_new_tokens == 1 and not prefill_only]
         graphable = len(decode) == len(batch)  # with adapter rows: the bucket's LoRA graph
         bucket = self.graphs.bucket_for(len(decode)) if graphable else None
-        if self.windowed_decode and bucket is None:
+        if self.windowed_decode and bucket is None and decode:
             decode = self._windowed(decode, host)
         rope = self.rope
         for s in decode:
@@ -199,7 +200,7 @@ class ModelRunner:
             if self.lora_stacks is not None:
                 host.lora_slots.append(seq.lora_slot)
         for s in batch:
-            if s.num_new_tokens == 1:
+            if s.num_new_tokens == 1 and not prefill_only:
                 continue
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
@@ -326,6 +327,15 @@ class ModelRunner:
         if step.num_logit_rows == 0:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, st.ints(step.logit_rows)))
+
+    @torch.inference_mode()
+    def hidden_states(self, step: PreparedStep) -> torch.Tensor:
+        """The final hidden states of a staged prefill-only step's packed rows (embeddings: eager, no logits)."""
+        self.block_tables.apply(self.staging.ints(step.update_index), self.staging.ints(step.update_value))
+        if step.rope_chunks:
+            assert self.rope is not None
+            self.rope.fill(step.rope_chunks)
+        return self.forward(step)[: step.num_tokens]
 
     @torch.inference_mode()
     def warm_up(self, max_prefill_tokens: int) -> float:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tritium.backend.config import EngineConfig, SpeculativeConfig
-from tritium.backend.core.batch import SchedulerOutput
+from tritium.backend.core.batch import ScheduledSequence, SchedulerOutput
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.layers.attention import AttentionBackend, check_attention_backend, get_attention_backend
 from tritium.backend.layers.parallel import CollectiveTime
@@ -31,6 +31,7 @@ from tritium.backend.worker.device import set_up_device, use_device
 from tritium.backend.worker.kv_sizing import num_kv_blocks
 from tritium.backend.worker.memory_budget import MemoryPlan, module_bytes
 from tritium.backend.worker.model_runner import ModelRunner, logit_rows, staging_capacity
+from tritium.backend.worker.pooling import PoolingConfig, pooled
 from tritium.backend.worker.ranks import RankProcesses, RanksFailed, rank_device
 from tritium.backend.worker.staging import StagingBuffer, stage_row_settings
 from tritium.backend.worker.threads import CoreBinding, ThreadChoice, set_up_threads
@@ -219,6 +220,23 @@ class Worker:
         if self.proposer is not None:
             self._propose(batch.sampling, result)
         return result
+
+    def embed(self, batch: list[ScheduledSequence], pooling: PoolingConfig) -> torch.Tensor:
+        """Pooled fp32 vectors `[len(batch), hidden]` on the CPU: each whole prompt (blocks allocated by the engine, as
+        for a prefill) run as one prefill-only forward pass; the block-table rows are released after, whatever happens.
+        Raises ValueError for a tensor-parallel engine (its ranks run only scheduled steps)."""
+        if self.ranks is not None:
+            raise ValueError("embeddings with tensor_parallel_size > 1 are not implemented")
+        use_device(self.device)
+        try:
+            self.staging.begin()
+            step = self.runner.prepare(batch, prefill_only=True)
+            self.staging.upload()
+            hidden = self.runner.hidden_states(step)
+            return pooled(hidden, [s.num_new_tokens for s in batch], pooling).cpu()
+        finally:
+            for s in batch:
+                self.runner.release(s.seq.request_id)
 
     def forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
         """Stage and upload the inputs and `rows`' settings (sent to the other ranks), run the forward pass: logits and

@@ -131,6 +131,26 @@ def run_families(args: argparse.Namespace) -> int:
     return 0
 
 
+def embeddings_options(p: argparse.ArgumentParser) -> None:
+    """`tritium bench embeddings`' options."""
+    options.model(p, help="the model (default: the embedded default)")
+    p.add_argument("--num-texts", type=int, default=256, help="texts embedded per run")
+    p.add_argument("--batch", type=int, default=32, help="the batched run's batch size (batch 1 is run too)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure (the best is kept)")
+    p.add_argument("--endpoint", action="store_true",
+                   help="also through /v1/embeddings of a tritium serve + tritium openai started here")
+    options.out_dir(p)
+
+
+def run_embeddings(args: argparse.Namespace) -> int:
+    """bench/embeddings.py; returns 0."""
+    from tritium.client.bench.embeddings import run_embeddings_benchmark
+
+    run_embeddings_benchmark(model=args.model, num_texts=args.num_texts, batch=args.batch, repeats=args.repeats,
+                             endpoint=args.endpoint, out_dir=args.out_dir)
+    return 0
+
+
 def moe_cpu_options(p: argparse.ArgumentParser) -> None:
     """`tritium bench moe-cpu`'s options."""
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
@@ -398,6 +418,8 @@ SCENARIOS = (
              "stacked experts, tiny MoE families' tok/s", moe_cpu_options, run_moe_cpu),
     Scenario("spec", "one stream with and without speculative decoding (n-gram, a draft model): ITL, acceptance",
              spec_options, run_spec),
+    Scenario("embeddings", "embeddings / s in process vs transformers (batch 1 and 32), optionally through "
+             "/v1/embeddings", embeddings_options, run_embeddings),
     Scenario("aiperf", "AIPerf (NVIDIA's genai-perf successor) against a tritium server "
              "(options: tritium bench aiperf --help)", no_options, run_aiperf, forwards=True),
 )

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from tritium.client.cli import options
+from tritium.client.openai.reasoning import REASONING_PARSERS
 
 
 def add_parser(subparsers: Any) -> None:
@@ -39,6 +40,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--expose-model-path", action="store_true",
                    help="name the local model folder in /model_info and /server_info (sglang-router loads the "
                    "tokenizer from there); by default those open routes carry no filesystem path")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split a thinking model's chat replies into message.reasoning_content (the <think> block) "
+                   "and content, under vLLM's names: deepseek_r1 (text before </think> is reasoning, <think> or "
+                   "not), qwen3 (reasoning only inside <think>...</think>) (default: none, the text is all content)")
     options.unsafe_no_auth(p)
     p.set_defaults(func=run)
 
@@ -54,5 +59,5 @@ def run(args: argparse.Namespace) -> int:
     serve_openai(args.upstream, args.host, args.port, args.api_key or None, args.model, args.tokenizer,
                  max_concurrency=args.max_concurrency, metrics_urls=args.upstream_metrics,
                  expose_model_path=args.expose_model_path, admin_key=args.admin_key or None,
-                 served_model_name=args.served_model_name or None)
+                 served_model_name=args.served_model_name or None, reasoning_parser=args.reasoning_parser)
     return 0

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from tritium.client.triton.served_model import ServedModel
 
 ADMIN_KEY_ENV = options.ADMIN_KEY_ENV
-LORA_MODELS = ("tritium", "tritium_ids")  # the engines `--lora` / `--enable-lora` turn LoRA on for (and the ensemble)
+# The generation engines: what `--lora` / `--enable-lora` (and the ensemble) and `--tensor-parallel-size` apply to;
+# tritium_embed stays one rank without adapters.
+LORA_MODELS = ("tritium", "tritium_ids")
 HEALTH_POLL_S = 1.0  # how often `serve` reads tritium_engine_healthy from the metrics port
 # The request `serve` prints for a newcomer to copy: a question the default (instruct) model answers in a
 # sentence, through its chat template (a bare question makes it end at once). tests/server/test_server.py sends it.
@@ -60,6 +62,9 @@ def add_parser(subparsers: Any) -> None:
                    help="none: load every model at start-up; explicit: only --load-model ones (either way "
                    "a model whose engine fails is unloaded)")
     p.add_argument("--load-model", action="append", help="with --model-control explicit: load this model")
+    p.add_argument("--embeddings", action="store_true",
+                   help="also load the tritium_embed model (POST /v1/embeddings through `tritium openai`; it is not "
+                   "loaded by default: a third engine's memory)")
     p.add_argument("--log-verbose", type=int, default=0)
     options.quantization(p, help="serve the engine models with int8 weights, or int4 (CPU only) (sets "
                          "model.json's quantization in a copy of the repository)")
@@ -132,12 +137,13 @@ def unload_failed_engines(server: TritonServer) -> None:
 
 
 def engine_settings(repository: Path, overrides: dict[str, object],
-                    lora: dict[str, object]) -> dict[str, dict[str, object]]:
+                    generation: dict[str, object]) -> dict[str, dict[str, object]]:
     """The model.json settings to change per engine model of `repository` (those whose model.json has
-    max_num_seqs; the codec models are left alone): `overrides` for each, `lora` for LORA_MODELS too."""
+    max_num_seqs; the codec models are left alone): `overrides` for each, `generation` (LoRA, tensor parallelism)
+    for LORA_MODELS too."""
     engines = [m.parent.parent.name for m in repository.glob("*/1/model.json")
                if "max_num_seqs" in json.loads(m.read_text(encoding="utf-8"))]
-    return {name: overrides | (lora if name in LORA_MODELS else {}) for name in engines}
+    return {name: overrides | (generation if name in LORA_MODELS else {}) for name in engines}
 
 
 def engine_instance_groups(repository: Path, tensor_parallel_size: int | None) -> dict[str, str]:
@@ -147,7 +153,7 @@ def engine_instance_groups(repository: Path, tensor_parallel_size: int | None) -
 
     if tensor_parallel_size is None or tensor_parallel_size == 1:
         return {}
-    return {name: MODEL_INSTANCE_GROUP for name in engine_settings(repository, {}, {})}
+    return {name: MODEL_INSTANCE_GROUP for name in engine_settings(repository, {}, {}) if name in LORA_MODELS}
 
 
 def check_tensor_parallel(args: argparse.Namespace, served: ServedModel | None, lora: dict[str, Any]) -> None:
@@ -199,10 +205,10 @@ def repository_changes(args: argparse.Namespace, repository: Path, lora: dict[st
     """(model.json settings, config.pbtxt parameters) per model of `repository` that the options change;
     both empty when they change nothing (the repository is then served as it is)."""
     overrides = {key: value for key, value in (("quantization", args.quantization), ("dtype", args.dtype),
-                                               ("num_threads", args.num_threads),
-                                               ("tensor_parallel_size", args.tensor_parallel_size))
-                 if value is not None}
-    settings = engine_settings(repository, overrides, lora) if overrides or lora else {}
+                                               ("num_threads", args.num_threads)) if value is not None}
+    generation = lora | ({"tensor_parallel_size": args.tensor_parallel_size}
+                         if args.tensor_parallel_size is not None else {})
+    settings = engine_settings(repository, overrides, generation) if overrides or generation else {}
     if served is None:
         return settings, {}
     model, parameters = model_settings(repository, served)
@@ -262,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
     server_options = ServerOptions(
         model_repository=repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key or None,
-        admin_key=args.admin_key or None, model_control=args.model_control, load_models=args.load_model or [],
+        admin_key=args.admin_key or None, model_control=args.model_control,
+        load_models=[*(args.load_model or []), *(["tritium_embed"] if args.embeddings else [])],
         log_verbose=args.log_verbose,
     )
     try:

@@ -211,7 +211,7 @@ class Router:
         values: dict[str, str | bool] = {
             "text_input": prompt, "stream": True, "sampling_parameters": json.dumps(sampling),
             "exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,
-            "return_num_output_tokens": True,
+            "return_num_output_tokens": True, "return_num_cached_tokens": True,
         }
         if want_logprobs:
             values["return_logprobs"] = True
@@ -247,7 +247,7 @@ class Router:
                 reason = result.as_numpy("finish_reason")
                 if reason is not None:
                     chunk.finish_reason = reason.reshape(-1)[0].decode() or None
-                for name in ("num_input_tokens", "num_output_tokens"):
+                for name in ("num_input_tokens", "num_output_tokens", "num_cached_tokens"):
                     value = result.as_numpy(name)
                     if value is not None:
                         setattr(chunk, name, int(value.reshape(-1)[0]))

@@ -23,6 +23,8 @@ class Chunk:
     logprobs: list[dict[str, float]] = field(default_factory=list)
     # On the final chunk of a request that verified drafts: num_drafts, num_draft_tokens, num_accepted_tokens
     spec_decoding: dict[str, int] | None = None
+    # On the final chunk: the prompt tokens served from the engine's prefix cache
+    num_cached_tokens: int | None = None
 
 
 class UpstreamError(Exception):

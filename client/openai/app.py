@@ -30,6 +30,7 @@ from tritium.backend.tokenizer import Tokenizer
 from tritium.client.cluster.router import Router, default_metrics_url
 from tritium.client.openai.chat import chat_completion
 from tritium.client.openai.completions import completion
+from tritium.client.openai.embeddings import EmbeddingRequest, embeddings
 from tritium.client.openai.errors import http_error_response, validation_error_response
 from tritium.client.openai.guard import RequestGuard
 from tritium.client.openai.lora import add_lora_routes
@@ -47,15 +48,18 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
                tokenizer: Tokenizer | None = None, default_max_tokens: int = 16,
                max_concurrency: int = DEFAULT_MAX_CONCURRENCY, metrics_urls: list[str | None] | None = None,
                model_path: str | None = None, max_model_len: int | None = None,
-               admin_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+               admin_key: str | None = None, served_model_name: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The endpoint's app in front of the tritonservers at `upstreams` (gRPC addresses), serving the Triton model
     `model` under the id `served_model_name` (None: `model`; `model` is accepted for it too), and the LoRA
     adapters the upstreams hold. `admin_key`: turns on `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
     (they take `Authorization: Bearer <admin_key>`; the key is sent on to the upstreams).
     `metrics_urls`: each upstream's tritonserver metrics (engine load and health; the `vllm:*` gauges);
     `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report. Without `tokenizer`, the default
-    model's. `app.state.router` and `app.state.admission` are the router and the upstream seats it uses.
-    Raises ValueError when `metrics_urls` does not hold one entry per upstream."""
+    model's. `reasoning_parser`: a name in `reasoning.REASONING_PARSERS` (chat replies split into reasoning and
+    content), None for none. `app.state.router` and `app.state.admission` are the router and the upstream seats
+    it uses. Raises ValueError when `metrics_urls` does not hold one entry per upstream, or for an unknown
+    `reasoning_parser`."""
     router = Router(upstreams, model=model, api_key=api_key, metrics_urls=metrics_urls)
     if tokenizer is None:
         from tritium.backend.models.registry import resolve_model
@@ -63,7 +67,7 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
         tokenizer = Tokenizer(resolve_model(None))
     model_id = served_model_name or model
     service = OpenAIService(router, tokenizer, model_id, default_max_tokens, max_concurrency, model_path,
-                            max_model_len)
+                            max_model_len, reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +110,10 @@ def create_app(upstreams: list[str], api_key: str | None = None, model: str = "t
     async def chat_completions(body: ChatRequest, request: Request
                                ) -> dict[str, Any] | JSONResponse | StreamingResponse:
         return await chat_completion(service, body, request)
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def create_embeddings(body: EmbeddingRequest) -> dict[str, Any] | JSONResponse:
+        return await embeddings(service, body)
 
     return app
 
@@ -155,12 +163,14 @@ def tokenizer_folder(tokenizer_path: str | None, upstream: ServedModel | None) -
 def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None, model: str,
                  tokenizer_path: str | None, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
                  metrics_urls: list[str] | None = None, expose_model_path: bool = False,
-                 admin_key: str | None = None, served_model_name: str | None = None) -> None:
+                 admin_key: str | None = None, served_model_name: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
     """Serve the endpoint until stopped. `metrics_urls`: one per upstream, in order; without them an upstream on
     Triton's default gRPC port 8001 is read at its host's port 8002, others not at all (their load is then
     counted from this endpoint's own requests). `expose_model_path`: /model_info names the local model folder.
     `admin_key`: turns on the runtime LoRA routes (see `create_app`). `served_model_name` (the model id) and
     `tokenizer_path`, when None, come from what the upstream reports serving (`upstream_model`).
+    `reasoning_parser`: splits chat replies into reasoning and content (see `create_app`).
     Raises SystemExit when the number of `metrics_urls` does not match the upstreams."""
     import uvicorn
 
@@ -177,7 +187,8 @@ def serve_openai(upstreams: list[str], host: str, port: int, api_key: str | None
     urls: list[str | None] = list(metrics_urls) if metrics_urls else [default_metrics_url(u) for u in upstreams]
     app = create_app(upstreams, api_key=api_key, model=model, tokenizer=tokenizer, max_concurrency=max_concurrency,
                      metrics_urls=urls, model_path=str(folder) if expose_model_path else None,
-                     max_model_len=model_max_len(folder), admin_key=admin_key, served_model_name=model_id)
+                     max_model_len=model_max_len(folder), admin_key=admin_key, served_model_name=model_id,
+                     reasoning_parser=reasoning_parser)
     print(f"tritium OpenAI endpoint on http://{host}:{port}/v1 -> {', '.join(upstreams)}, model {model_id!r} "
           f"(tokenizer: {folder})", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -12,11 +12,12 @@ tool_choice (the default is "auto" with tools, "none" without):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
-from tritium.backend.tokenizer import Tokenizer
-from tritium.client.openai.protocol import ChatMessage, ChatRequest
+from tritium.backend.tokenizer import ChatTemplateKwargsError, Tokenizer, check_chat_template_kwargs
+from tritium.client.openai.protocol import ChatMessage, ChatRequest, RequestError
 from tritium.client.openai.tool_calls import (
     HermesParser,
     Llama3JsonParser,
@@ -30,6 +31,7 @@ from tritium.client.openai.tool_calls import (
 )
 
 ParserFactory = Callable[[], ToolParser]
+CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
 
 
 def _tools(body: ChatRequest) -> list[dict[str, Any]]:
@@ -57,15 +59,38 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def _template_kwargs(body: ChatRequest) -> dict[str, Any] | None:
+    """The request's `chat_template_kwargs`. Raises RequestError naming it when they cannot be passed to a
+    template (a name the renderer passes itself, text that is not valid Unicode)."""
+    kwargs = body.chat_template_kwargs
+    if kwargs is None:
+        return None
+    try:
+        check_chat_template_kwargs(kwargs)
+        json.dumps(kwargs, ensure_ascii=False).encode("utf-8")
+    except ChatTemplateKwargsError as exc:
+        raise RequestError(str(exc), CHAT_TEMPLATE_KWARGS) from None
+    except UnicodeEncodeError:
+        raise RequestError(f"{CHAT_TEMPLATE_KWARGS}: must be valid Unicode text (it holds a lone surrogate)",
+                           CHAT_TEMPLATE_KWARGS) from None
+    return kwargs
+
+
 def render_prompt(tokenizer: Tokenizer, body: ChatRequest, mode: str, add_generation_prompt: bool = True) -> str:
-    """The prompt: the messages (and tools) through the model's chat template. Raises ValueError when the
-    template refuses them or what they hold cannot be sent as UTF-8 (a lone surrogate in an extra field); the
-    template may raise anything else on what the messages hold."""
+    """The prompt: the messages (and tools) through the model's chat template, `chat_template_kwargs` as extra
+    variables. Raises RequestError naming `chat_template_kwargs` when the template cannot take them (its own
+    words never shown), ValueError when the template refuses the messages or what they hold cannot be sent as
+    UTF-8 (a lone surrogate in an extra field); the template may raise anything else on what the messages hold."""
     tools = _tools(body) or None
     generic = not tokenizer.supports_tools
     messages = template_messages([_message_dict(m) for m in body.messages], generic,
                                  tools if generic and mode != "none" else None)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=None if generic else tools)
+    kwargs = _template_kwargs(body)
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=None if generic else tools,
+                                               chat_template_kwargs=kwargs)
+    except ChatTemplateKwargsError as exc:
+        raise RequestError(str(exc), CHAT_TEMPLATE_KWARGS) from None
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:

@@ -114,9 +114,9 @@ VLLM_EXTRA_FIELDS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_p
 # Fields that SGLang/vLLM routers (sglang-router, vllm-router) add to the requests they forward, accepted with
 # any value and ignored: no_stop_trim (a stop string is always trimmed unless include_stop_str_in_output),
 # return_hidden_states and return_text_in_logprobs (not returned), separate_reasoning and stream_reasoning
-# (no reasoning parser: the text is all content), rid and request_id (the endpoint names its own requests),
-# lora_path (an adapter is chosen by `model`), session_params, the disaggregation bootstrap_* fields,
-# spaces_between_special_tokens, cache_salt, data_parallel_rank, include_reasoning.
+# (with --reasoning-parser the reasoning is always separated and streamed), rid and request_id (the endpoint
+# names its own requests), lora_path (an adapter is chosen by `model`), session_params, the disaggregation
+# bootstrap_* fields, spaces_between_special_tokens, cache_salt, data_parallel_rank, include_reasoning.
 ROUTER_IGNORED_FIELDS = (
     "no_stop_trim", "return_hidden_states", "return_text_in_logprobs", "separate_reasoning", "stream_reasoning",
     "include_reasoning", "rid", "request_id", "lora_path", "session_params", "bootstrap_host", "bootstrap_port",
@@ -337,6 +337,8 @@ class ChatRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     continue_final_message: Literal[False] = False  # vllm-router sends false; true is not supported
+    # Extra variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}; checked when rendered
+    chat_template_kwargs: dict[str, Any] | None = None
 
     _distinct_names = field_validator("tools")(distinct_tool_names)
 

@@ -69,6 +69,7 @@ class TokenizeChat(_Lenient):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the chat template
 
     _check_utf8 = field_validator("model")(utf8_text)
     _distinct_names = field_validator("tools")(distinct_tool_names)
@@ -193,10 +194,13 @@ def add_replica_routes(app: FastAPI, service: OpenAIService) -> None:
         if (bad := await service.wrong_model(body.model)) is not None:
             return bad
         if isinstance(body, TokenizeChat):
-            chat = ChatRequest.model_construct(model=model, messages=body.messages, tools=body.tools)
+            chat = ChatRequest.model_construct(model=model, messages=body.messages, tools=body.tools,
+                                               chat_template_kwargs=body.chat_template_kwargs)
             try:
                 text = await asyncio.to_thread(render_prompt, tokenizer, chat, "auto" if body.tools else "none",
                                                body.add_generation_prompt)
+            except RequestError as exc:  # chat_template_kwargs the template cannot take
+                return error_response(400, f"invalid request: {exc.message}", param=exc.param)
             except ValueError as exc:
                 return error_response(400, f"invalid request: {exc}", param="messages")
             except Exception:

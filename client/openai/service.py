@@ -21,6 +21,7 @@ from tritium.client.openai.errors import client_gone, model_not_found, upstream_
 from tritium.client.openai.guard import Admission, new_request_id, unless_disconnected
 from tritium.client.openai.lora import AdapterCatalog, AdminClient
 from tritium.client.openai.protocol import MAX_SEED, speculative_usage
+from tritium.client.openai.reasoning import reasoning_parser as reasoning_parser_class
 
 DECODE_CACHE_SIZE = 1 << 17  # token ids whose text is kept for logprobs
 
@@ -35,6 +36,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those served from the engine's prefix cache
     logprobs: list[dict[str, float]] = field(default_factory=list)
     spec_decoding: dict[str, int] | None = None  # the final chunk's speculative figures, when it verified drafts
 
@@ -50,17 +52,21 @@ class ChoiceResult:
             self.finish_reason = chunk.finish_reason
             self.prompt_tokens = chunk.num_input_tokens or 0
             self.completion_tokens = chunk.num_output_tokens or 0
+            self.cached_tokens = chunk.num_cached_tokens or 0
             self.spec_decoding = chunk.spec_decoding
 
 
 def usage(choices: dict[int, ChoiceResult], n: int) -> dict[str, Any]:
     """OpenAI's `usage` of a request with `n` samples per prompt: each prompt's tokens counted once (choice
-    index p * n), every choice's completion tokens; plus `speculative_decoding` (`speculative_usage`) when a
-    choice verified drafts."""
-    prompt_tokens = sum(c.prompt_tokens for i, c in choices.items() if i % n == 0)
+    index p * n), every choice's completion tokens, `prompt_tokens_details.cached_tokens` (always, 0 when
+    nothing was cached) counted as the prompt tokens are; plus `speculative_decoding` (`speculative_usage`)
+    when a choice verified drafts."""
+    firsts = [c for i, c in choices.items() if i % n == 0]
+    prompt_tokens = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.completion_tokens for c in choices.values())
     counts: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                              "total_tokens": prompt_tokens + completion}
+                              "total_tokens": prompt_tokens + completion,
+                              "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
     spec = speculative_usage([c.spec_decoding for c in choices.values() if c.spec_decoding is not None])
     return counts if spec is None else counts | {"speculative_decoding": spec}
 
@@ -68,10 +74,12 @@ def usage(choices: dict[int, ChoiceResult], n: int) -> dict[str, Any]:
 class OpenAIService:
     """The state of one endpoint. `model`: the served model's id (`router.model`, the Triton model's name, is
     accepted for it too); `model_path`, `max_model_len`: what `/model_info` and `/tokenize` report; `adapters`:
-    the LoRA adapters the upstreams serve (each a model of its own, `parent` the base)."""
+    the LoRA adapters the upstreams serve (each a model of its own, `parent` the base); `reasoning_parser`: the
+    class that splits chat replies into reasoning and content (`--reasoning-parser`), None when off."""
 
     def __init__(self, router: Router, tokenizer: Tokenizer, model: str, default_max_tokens: int,
-                 max_concurrency: int, model_path: str | None = None, max_model_len: int | None = None) -> None:
+                 max_concurrency: int, model_path: str | None = None, max_model_len: int | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.router = router
         self.admission = Admission(max_concurrency)
         self.tokenizer = tokenizer
@@ -79,6 +87,7 @@ class OpenAIService:
         self.default_max_tokens = default_max_tokens
         self.model_path = model_path
         self.max_model_len = max_model_len
+        self.reasoning_parser = None if reasoning_parser is None else reasoning_parser_class(reasoning_parser)
         self.adapters = AdapterCatalog(router, AdminClient(router))
         self._decode_token = functools.lru_cache(maxsize=DECODE_CACHE_SIZE)(self._decode_uncached)
 

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 DeltaMaker = Callable[[int, Chunk, bool], dict[str, Any] | None]
 """(choice index, chunk, first of its choice) -> the choice's entry in an event; None: no event for it yet."""
+UsageDetails = Callable[[], dict[str, Any]]
+"""What a route adds to a stream's final usage (the reasoning tokens), asked once every choice has ended."""
 
 _KINDS = MappingProxyType({"completion": ("cmpl", "text_completion"), "chat": ("chatcmpl", "chat.completion.chunk")})
 
@@ -35,10 +37,12 @@ def sse(payload: dict[str, Any]) -> str:
 
 async def stream_response(service: OpenAIService, request: Request, kind: Literal["completion", "chat"],
                           prompts: list[str], sampling: dict[str, Any], n: int, logprobs: bool, include_usage: bool,
-                          make_delta: DeltaMaker) -> StreamingResponse | JSONResponse:
+                          make_delta: DeltaMaker, usage_details: UsageDetails | None = None
+                          ) -> StreamingResponse | JSONResponse:
     """The streamed response of a request's choices (`OpenAIService.run_choices`), each chunk made into a
-    choice by `make_delta`. It waits for the first chunk, so that a request refused upstream gets its error
-    response (503 overloaded, 400 invalid) rather than a stream; 499 when the client left first."""
+    choice by `make_delta`; `usage_details` adds to the usage once the choices have ended. It waits for the
+    first chunk, so that a request refused upstream gets its error response (503 overloaded, 400 invalid)
+    rather than a stream; 499 when the client left first."""
     id_prefix, obj = _KINDS[kind]
     head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
             "model": sampling.get("lora_name", service.model)}
@@ -50,7 +54,7 @@ async def stream_response(service: OpenAIService, request: Request, kind: Litera
         return upstream_response(exc, request_id)
     if not connected:
         return client_gone()
-    events = _events(_prepend(first, chunks), head, n, include_usage, make_delta, request_id)
+    events = _events(_prepend(first, chunks), head, n, include_usage, make_delta, request_id, usage_details)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
@@ -75,7 +79,8 @@ async def _prepend(first: tuple[int, Chunk] | None, rest: AsyncIterator[tuple[in
 
 
 async def _events(chunks: AsyncIterator[tuple[int, Chunk]], head: dict[str, Any], n: int, include_usage: bool,
-                  make_delta: DeltaMaker, request_id: str) -> AsyncIterator[str]:
+                  make_delta: DeltaMaker, request_id: str, usage_details: UsageDetails | None = None
+                  ) -> AsyncIterator[str]:
     """The SSE events of a stream whose every event starts with `head` (id, object, created, model)."""
     totals: dict[int, ChoiceResult] = {}
     started: set[int] = set()
@@ -98,5 +103,8 @@ async def _events(chunks: AsyncIterator[tuple[int, Chunk]], head: dict[str, Any]
     finally:
         await chunks.aclose()
     if include_usage:
-        yield sse(head | {"choices": [], "usage": usage(totals, n)})
+        counts = usage(totals, n)
+        if usage_details is not None:
+            counts |= usage_details()
+        yield sse(head | {"choices": [], "usage": counts})
     yield "data: [DONE]\n\n"

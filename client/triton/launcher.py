@@ -46,6 +46,8 @@ ADMIN_APIS = "model-repository,shared-memory,trace,logging"
 API_KEY_HEADER = "x-api-key"
 ADMIN_KEY_HEADER = "x-admin-key"
 HEALTH_METRIC = "tritium_engine_healthy"
+# In the repository, loaded only when asked (`tritium serve --embeddings`, or --load-model): a third engine's memory
+OPT_IN_MODELS = ("tritium_embed",)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -61,11 +63,17 @@ class ServerOptions:
     api_key: str | None = None  # x-api-key: inference, metadata, model config, statistics
     admin_key: str | None = None  # x-admin-key: model repository, shared memory, trace, logging
     # tritonserver always runs in explicit mode, so that a failed model can be unloaded: "none" loads every
-    # model of the repository at start-up, "explicit" only `load_models`.
+    # model of the repository at start-up (but OPT_IN_MODELS unless in `load_models`), "explicit" only `load_models`.
     model_control: Literal["none", "explicit"] = "none"
     load_models: list[str] = field(default_factory=list)
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
+
+
+def startup_models(repository: Path, also: list[str]) -> list[str]:
+    """Model control "none": every model of `repository` but the opt-in ones (OPT_IN_MODELS), and `also`."""
+    found = sorted(c.parent.name for c in Path(repository).glob("*/config.pbtxt"))
+    return [n for n in found if n not in OPT_IN_MODELS or n in also] + [n for n in also if n not in found]
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,7 @@ class TritonServer:
 
         if not torch.cuda.is_available():
             cmd += ["--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
-        for name in (["*"] if o.model_control == "none" else o.load_models):
+        for name in (startup_models(o.model_repository, o.load_models) if o.model_control == "none" else o.load_models):
             cmd.append(f"--load-model={name}")
         # Lower-case headers: gRPC metadata keys are lower-cased on the wire, so any other key never matches.
         for apis, header, key in ((INFERENCE_APIS, API_KEY_HEADER, o.api_key),

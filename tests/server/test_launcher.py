@@ -81,7 +81,8 @@ def _command(**options: object) -> list[str]:
 
 def test_tritonserver_runs_in_explicit_mode_with_separate_keys() -> None:
     cmd = _command()
-    assert "--model-control-mode=explicit" in cmd and "--load-model=*" in cmd
+    assert "--model-control-mode=explicit" in cmd and "--load-model=tritium" in cmd
+    assert "--load-model=tritium_ids" in cmd and "--load-model=tritium_embed" not in cmd  # opt-in (--embeddings)
     assert not [a for a in cmd if "restricted" in a]
     cmd = _command(model_control="explicit", load_models=["tritium", "tritium_ids"])
     assert [a for a in cmd if a.startswith("--load-model")] == ["--load-model=tritium", "--load-model=tritium_ids"]

@@ -327,6 +327,19 @@ instance_group [ {{ count: 1, kind: KIND_CPU }} ]
 '''
 
 
+@contextlib.contextmanager
+def openai_client(upstreams: list[str]) -> Iterator[Any]:
+    """The official `openai` client on `tritium openai` in front of `upstreams`; the endpoint ends with the block."""
+    import openai
+
+    proc, base = start_openai(upstreams)
+    try:
+        yield openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def fake_repository(dest: Path, names: list[str]) -> Path:
     """Python-backend models (input x, output y, INT32) that report tritium_engine_healthy 1 until their
     first request, which fails and sets it to 0: a stand-in for a tritium model whose engine failed."""

@@ -39,6 +39,7 @@ DEFAULTS = {
     "moe-cpu": {"batches": [1, 8, 32], "steps": 16, "num_requests": 16, "output_len": 64, "out_dir": OUT},
     "spec": {"num_requests": 4, "output_len": 128, "repeats": 2, "num_speculative_tokens": 4, "draft_model": None,
              "draft_layers": None, "smoke": False, "out_dir": OUT},
+    "embeddings": {"model": None, "num_texts": 256, "batch": 32, "repeats": 3, "endpoint": False, "out_dir": OUT},
     "aiperf": {bench.FORWARDED: []},
 }
 

@@ -121,7 +121,8 @@ def test_serve_lora_options_become_model_json_settings(tmp_path: Path) -> None:
             lora_settings(bad, False)
     lora = lora_settings([], True)
     per_model = engine_settings(PACKAGE_REPOSITORY, {"dtype": "bfloat16"}, lora)
-    assert per_model == {"tritium": {"dtype": "bfloat16", **lora}, "tritium_ids": {"dtype": "bfloat16", **lora}}
+    assert per_model == {"tritium": {"dtype": "bfloat16", **lora}, "tritium_ids": {"dtype": "bfloat16", **lora},
+                         "tritium_embed": {"dtype": "bfloat16"}}  # the embedding engine: no adapters
 
 
 @pytest.fixture(scope="module")

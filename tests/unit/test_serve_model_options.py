@@ -31,7 +31,7 @@ from tritium.client.triton.served_model import (
     served_model_of,
 )
 
-TRITIUM_MODELS = ["postprocessing", "preprocessing", "tritium", "tritium_ids"]  # those with a 1/model.json
+TRITIUM_MODELS = ["postprocessing", "preprocessing", "tritium", "tritium_embed", "tritium_ids"]  # with a 1/model.json
 
 
 def light_folder(dest: Path, default_model_path: Path) -> Path:
@@ -118,7 +118,7 @@ def test_the_repository_copy_names_the_model_everywhere_and_settings_only_on_the
     for name in TRITIUM_MODELS:
         written = json.loads((copy / name / "1" / "model.json").read_text())
         assert written["model"] == str(folder.resolve())
-        assert ("quantization" in written) == (name in ("tritium", "tritium_ids"))
+        assert ("quantization" in written) == (name in ("tritium", "tritium_embed", "tritium_ids"))
         config = text_format.Parse((copy / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
         assert config.name == name
         assert {k: v.string_value for k, v in config.parameters.items()} == {

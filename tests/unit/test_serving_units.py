@@ -203,7 +203,8 @@ def _config_inputs(model: str) -> dict[str, str]:
 @pytest.mark.parametrize("model", ["tritium_ids", "tritium_ensemble"])
 def test_ids_scalar_inputs_are_sampling_fields_with_matching_tensor_types(model: str) -> None:
     inputs = _config_inputs(model)
-    others = {"input_ids", "text_input", "apply_chat_template", "stream", "stop_words", "lora_name"}
+    others = {"input_ids", "text_input", "apply_chat_template", "stream", "stop_words", "lora_name",
+              "return_num_cached_tokens"}
     assert set(inputs) - others == set(SCALAR_INPUTS)
     tensor_types = {int: {"INT32", "INT64", "UINT32", "UINT64"}, float: {"FP32", "FP64"}}
     for name, kind in SCALAR_INPUTS.items():
@@ -445,3 +446,124 @@ def test_chat_flag_defaults_exclude_input_in_output() -> None:
     assert not parse_text_request(text_inputs(apply_chat_template=True), {"exclude_input_in_output": False}
                                   ).exclude_input_in_output
     assert not parse_text_request(text_inputs(), {}).exclude_input_in_output
+
+
+# --- num_cached_tokens: the prefix-cache hit on the final response ---------------------------------------------
+
+
+def _cached_outputs(cached: int) -> list[RequestOutput]:
+    outs = delta_outputs()
+    for out in outs:
+        out.num_cached_tokens = cached
+    return outs
+
+
+def test_return_num_cached_tokens_is_a_flag_input_and_parameter() -> None:
+    assert not parse_text_request(text_inputs(), {}).return_num_cached_tokens
+    assert parse_text_request(text_inputs(return_num_cached_tokens=True), {}).return_num_cached_tokens
+    assert parse_text_request(text_inputs(), {"return_num_cached_tokens": "true"}).return_num_cached_tokens
+    assert not parse_text_request(text_inputs(return_num_cached_tokens=True), {"return_num_cached_tokens": False}
+                                  ).return_num_cached_tokens
+    with pytest.raises(ValueError, match="return_num_cached_tokens must be a boolean"):
+        parse_text_request(text_inputs(), {"return_num_cached_tokens": "often"})
+    assert _config_inputs("tritium")["return_num_cached_tokens"] == "BOOL"
+    assert _config_inputs("tritium_ids")["return_num_cached_tokens"] == "BOOL"
+    for model in ("tritium", "tritium_ids"):
+        outputs = (PACKAGE_REPOSITORY / model / "config.pbtxt").read_text().split("output [")[1]
+        assert '{ name: "num_cached_tokens", data_type: TYPE_UINT32, dims: [ 1 ] }' in outputs, model
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_text_sink_sends_num_cached_tokens_on_the_final_response_only(stream: bool) -> None:
+    sender = FakeSender()
+    sink = TextSink(FAKE_PB, sender, TextRequest(params=SamplingParams(), prompt="Say:", stream=stream,
+                                                 return_num_cached_tokens=True))
+    for out in _cached_outputs(32):
+        sink.send_output(out)
+    *partial, (final, flags) = sender.sent
+    assert flags == 1 and final.tensors["num_cached_tokens"].tolist() == [32]
+    assert final.tensors["num_cached_tokens"].dtype == np.uint32
+    assert all("num_cached_tokens" not in r.tensors for r, _ in partial) and len(partial) == (2 if stream else 0)
+    unasked = FakeSender()
+    sink = TextSink(FAKE_PB, unasked, TextRequest(params=SamplingParams(), prompt="Say:", stream=stream))
+    for out in _cached_outputs(32):
+        sink.send_output(out)
+    assert all("num_cached_tokens" not in r.tensors for r, _ in unasked.sent)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_ids_model_sends_num_cached_tokens_when_asked(asked: bool) -> None:
+    model = _model(ids_model, None, list(_config_inputs("tritium_ids")), ids_model.DEFAULT_TIMEOUT_S)
+    inputs = {"input_ids": np.array([3, 4], dtype=np.int32), "stream": np.array([True])}
+    if asked:
+        inputs["return_num_cached_tokens"] = np.array([True])
+    request = FakeRequest(inputs)
+    model.execute([request])
+    (job,) = model.loop.jobs
+    for out in _cached_outputs(16):
+        job.sink.send_output(out)
+    *partial, (final, flags) = request.sender.sent
+    assert flags == 1 and partial
+    assert all("num_cached_tokens" not in r.tensors for r, _ in partial)
+    if asked:
+        assert final.tensors["num_cached_tokens"].tolist() == [16]
+    else:
+        assert "num_cached_tokens" not in final.tensors
+
+
+# --- chat_template_kwargs on the text model ------------------------------------------------------------------
+
+
+def test_chat_template_kwargs_come_as_an_input_or_a_parameter_with_apply_chat_template() -> None:
+    kwargs = {"enable_thinking": False, "budget": [1, {"x": None}]}
+    chat = {"apply_chat_template": True}
+    assert parse_text_request(text_inputs(**chat), {}).chat_template_kwargs is None
+    from_input = parse_text_request(text_inputs(chat_template_kwargs=json.dumps(kwargs).encode(), **chat), {})
+    from_parameter = parse_text_request(text_inputs(), {"apply_chat_template": True,
+                                                        "chat_template_kwargs": json.dumps(kwargs)})
+    assert from_input.chat_template_kwargs == from_parameter.chat_template_kwargs == kwargs
+    winner = parse_text_request(text_inputs(chat_template_kwargs=b'{"a": 1}', **chat),
+                                {"chat_template_kwargs": '{"b": 2}'})
+    assert winner.chat_template_kwargs == {"b": 2}  # the parameter wins, as for the flags
+
+
+@pytest.mark.parametrize("inputs,params,message", [
+    (text_inputs(chat_template_kwargs=b'{"enable_thinking": false}'), {},
+     "chat_template_kwargs is only used with apply_chat_template"),
+    (text_inputs(apply_chat_template=True), {"chat_template_kwargs": "{nope"}, "chat_template_kwargs must be a JSON"),
+    (text_inputs(apply_chat_template=True), {"chat_template_kwargs": "[1]"},
+     "chat_template_kwargs must be a JSON object, got list"),
+    (text_inputs(apply_chat_template=True), {"chat_template_kwargs": 3},
+     "chat_template_kwargs must be a JSON object, got int"),
+    (text_inputs(apply_chat_template=True), {"chat_template_kwargs": '{"messages": []}'},
+     "chat_template_kwargs: 'messages' may not be set"),
+    (text_inputs(apply_chat_template=True), {"chat_template_kwargs": '{"add_generation_prompt": false}'},
+     "chat_template_kwargs: 'add_generation_prompt' may not be set"),
+    (text_inputs(apply_chat_template=True, chat_template_kwargs=b"\xff"), {},
+     "chat_template_kwargs is not valid UTF-8"),
+])
+def test_bad_chat_template_kwargs_are_refused_by_name(inputs: dict, params: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        parse_text_request(inputs, params)
+    assert message in str(err.value)
+
+
+def test_text_model_renders_the_user_turn_with_chat_template_kwargs(tmp_path: Path, default_model_path: Path) -> None:
+    from support.chat_templates import NO_THINKING, TEMPLATE_SECRET, tokenizer_folder_with_template
+
+    tokenizer = Tokenizer(tokenizer_folder_with_template(tmp_path / "thinking", default_model_path))
+    model = _model(text_model, SimpleNamespace(tokenizer=tokenizer), list(_config_inputs("tritium")), None)
+    text = np.array([b"What is 2+2?"], dtype=object)
+    off = FakeRequest({"text_input": text, "apply_chat_template": np.array([True]),
+                       "chat_template_kwargs": np.array([b'{"enable_thinking": false}'], dtype=object)})
+    def chat(kwargs: str) -> FakeRequest:
+        return FakeRequest({"text_input": text}, {"apply_chat_template": True, "chat_template_kwargs": kwargs})
+
+    on, bad, taken = chat('{"enable_thinking": true}'), chat('{"enable_thinking": 2}'), chat('{"tools": 1}')
+    model.execute([off, on, bad, taken])
+    plain = tokenizer.user_turn("What is 2+2?")
+    assert [j.prompt for j in model.loop.jobs] == [plain + NO_THINKING, plain]
+    for request in (bad, taken):
+        (error, flags), = request.sender.sent
+        assert flags == 1 and "invalid request: chat_template_kwargs" in error.error.message
+        assert TEMPLATE_SECRET not in error.error.message

@@ -128,10 +128,13 @@ def choice(completion_tokens: int, spec: dict[str, int] | None) -> ChoiceResult:
 
 def test_usage_gains_speculative_decoding_only_when_a_choice_verified_drafts() -> None:
     plain = usage({0: choice(5, None)}, 1)
-    assert plain == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert plain == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                     "prompt_tokens_details": {"cached_tokens": 0}}
     two = usage({0: choice(5, FIGURES), 1: choice(3, None)}, 2)
-    assert two == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15, "speculative_decoding": {
-        "num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6, "mean_acceptance_length": 2.5}}
+    assert two == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15,
+                   "prompt_tokens_details": {"cached_tokens": 0}, "speculative_decoding": {
+                       "num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6,
+                       "mean_acceptance_length": 2.5}}
 
 
 # --- /metrics -----------------------------------------------------------------------------------------------

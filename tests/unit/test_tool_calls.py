@@ -6,7 +6,7 @@ official openai client, with the upstream replaced by canned text)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,6 @@ from fastapi.testclient import TestClient
 
 from tritium.backend.tokenizer import Tokenizer
 from tritium.client.bench.schemas import SCHEMAS, UNSUPPORTED
-from tritium.client.cluster.upstream import Chunk
 from tritium.client.openai.app import create_app
 from tritium.client.openai.protocol import ChatRequest, CompletionRequest, RequestError
 from tritium.client.openai.tool_calls import (
@@ -36,6 +35,7 @@ from tritium.client.openai.tool_calls import (
     tool_format,
 )
 
+from support.canned_upstream import CannedUpstream
 from support.tools import HERMES_TEMPLATE, TIME, WEATHER, assembled, write_hermes_model
 
 # A Hermes-style chat template that takes tools (written for these tests, in the ChatML shape of the default
@@ -388,23 +388,6 @@ def test_tool_choices_that_cannot_be_honoured_are_refused(fields: dict, names: l
 
 
 # --- the endpoint, with canned model output ---------------------------------------------------------------------
-
-
-class CannedUpstream:
-    """Stands in for the router: answers every request with `pieces` (finish_reason "stop") and keeps what
-    was sent."""
-
-    def __init__(self) -> None:
-        self.pieces: list[str] = ["Hello"]
-        self.sent: list[tuple[str, dict[str, Any]]] = []
-
-    async def generate(self, prompt: str, sampling: dict[str, Any], want_logprobs: bool = False
-                       ) -> AsyncIterator[Chunk]:
-        self.sent.append((prompt, sampling))
-        for i, piece in enumerate(self.pieces):
-            final = i == len(self.pieces) - 1
-            yield Chunk(piece, final, "stop" if final else None, 7 if final else None, len(self.pieces) if final
-                        else None)
 
 
 @pytest.fixture(scope="module")
