@@ -11,7 +11,7 @@ runs with -v on the PTX.
 
 Coverage (`coverage`): the eight MODELS (GQA 1/3/4/8, head_dim 64/128) in fp16, bf16 and fp32 at block size
 16; in bf16 also head_dim 32 and 256 (WIDE_MODELS) and block sizes 8-128 at head_dim 128; the MoE models' fused_moe
-(MOE_MODELS) in bf16 and fp16; `--full` takes every
+(MOE_MODELS) and LoRA ranks 64 and 256 (LORA_RANK_MODELS) in bf16 and fp16; `--full` takes every
 model, dtype and block size, sm_86/sm_89 compiled too (1,832 variants: five times the compiles).
 
 Shared memory: each variant's `shared` (the compiled kernel's metadata: what the launch asks for) is compared
@@ -83,6 +83,7 @@ class ModelShape(NamedTuple):
     moe_intermediate: int = 0
     moe_activation: str = "silu"
     moe_bias: bool = False
+    lora_rank: int = 16  # the LoRA stacks' max_lora_rank
 
     def engine_shape(self, dtype: Any, block_size: int, max_blocks_per_seq: int) -> Any:
         """The warm-up's `EngineShape` of an engine serving this model on CPU tensors."""
@@ -90,10 +91,10 @@ class ModelShape(NamedTuple):
 
         return EngineShape(self.heads, self.kv_heads, self.head_dim, self.hidden, self.intermediate, self.rotary_dim,
                            block_size, max_blocks_per_seq, dtype, vocab_size=self.vocab, quantization="int8",
-                           lora_rank=16, windows=self.windows, softcap=self.softcap, activation=self.activation,
-                           qk_norm=self.qk_norm, sinks=self.sinks, num_experts=self.experts, moe_top_k=self.top_k,
-                           moe_intermediate=self.moe_intermediate, moe_activation=self.moe_activation,
-                           moe_bias=self.moe_bias)
+                           lora_rank=self.lora_rank, windows=self.windows, softcap=self.softcap,
+                           activation=self.activation, qk_norm=self.qk_norm, sinks=self.sinks,
+                           num_experts=self.experts, moe_top_k=self.top_k, moe_intermediate=self.moe_intermediate,
+                           moe_activation=self.moe_activation, moe_bias=self.moe_bias)
 
 
 # The default model and Llama/Qwen shapes covering GQA groups 1, 3, 4, 8 at head_dim 64 and 128, with their
@@ -135,6 +136,9 @@ MOE_MODELS = (
 # The model at which the default run compiles block sizes other than BLOCK_SIZE (in bf16): head_dim 128, GQA 4,
 # the attention tiles that need the most shared memory.
 BLOCK_SIZE_MODEL = MODELS[6]
+# LoRA's shrink and expand at the big ranks people serve (64, 256), on that model, in bf16 and fp16.
+LORA_RANK_MODELS = tuple(BLOCK_SIZE_MODEL._replace(name=f"{BLOCK_SIZE_MODEL.name} LoRA r{r}", lora_rank=r)
+                         for r in (64, 256))
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ def coverage(full: bool = False) -> list[Case]:
     if full:
         return [Case(m, d, b) for b in BLOCK_SIZES for d in DTYPES for m in (*MODELS, *WIDE_MODELS, *MOE_MODELS)]
     cases = [Case(m, d, BLOCK_SIZE) for d in DTYPES for m in MODELS]
-    cases += [Case(m, d, BLOCK_SIZE) for d in WIDE_DTYPES for m in (*WIDE_MODELS, *MOE_MODELS)]
+    cases += [Case(m, d, BLOCK_SIZE) for d in WIDE_DTYPES for m in (*WIDE_MODELS, *MOE_MODELS, *LORA_RANK_MODELS)]
     cases += [Case(BLOCK_SIZE_MODEL, "bf16", b) for b in BLOCK_SIZES if b != BLOCK_SIZE]
     return cases
 

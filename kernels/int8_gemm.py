@@ -7,9 +7,10 @@ accumulates `tl.dot` in fp32; the per-channel scale multiplies the accumulator o
 is read as int8 from memory: half the bytes of bf16, which is what decode steps (M = batch) are bound by.
 The @triton.jit body is in kernels/jit/int8_gemm.py; the torch reference is `reference.int8_gemm`.
 
-Specialization: M (the step's row count) is `do_not_specialize`, so one compile serves every batch size; N, K
-and the strides are fixed per layer and keep the JIT's divisible-by-16 specialization. Tiles: decode-sized
-M gets BLOCK_M 16 (the smallest `tl.dot` tile), prefill-sized M 64 (32 in fp32); the interpreter uses 16x16x16
+Specialization: M (the step's row count) is `do_not_specialize`, so one compile per tile configuration serves
+every batch size; N, K and the strides are fixed per layer and keep the JIT's divisible-by-16 specialization.
+Tiles: M <= 16 gets BLOCK_M 16 (the smallest `tl.dot` tile), 17-64 rows 32 or 64 x 64-wide tiles (more programs
+on a decode batch's single row of tiles), prefill-sized M 64x128 (32x64 in fp32); the interpreter uses 16x16x16
 tiles. `python -m tritium.kernels.compile_check --kernel int8_gemm_kernel` builds them for sm_80/sm_90.
 """
 
@@ -41,7 +42,14 @@ def int8_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16, tiles: str = "
         return Int8GemmConfig(16, 64, 128, 4, 4)
     if dtype == torch.float32:  # 64x128 fp32 tiles spill registers on sm_80 (compile_check); these spill 8 bytes
         return Int8GemmConfig(32, 64, 32, 4, 3)
+    if m <= 64:  # decode batches: one row of tiles, so half-wide ones give a 4096-wide layer 64 programs, not 32
+        return Int8GemmConfig(32 if m <= 32 else 64, 64, 128, 4, 4)
     return Int8GemmConfig(64, 128, 64, 4, 3)
+
+
+# A row count per configuration of int8_gemm_config (bf16/fp16): what the engine's warm-up launches, so that no
+# batch size compiles a variant while serving.
+CONFIG_ROWS = (1, 32, 64, 128)
 
 
 def int8_gemm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, tiles: str = "auto") -> torch.Tensor:

@@ -150,7 +150,8 @@ def _same_specialization(size: int) -> int:
 
 def int8_gemm_calls(shape: EngineShape) -> list[OpCall]:
     """int8_gemm at each quantized projection's (N, K) (fused QKV, output, fused gate/up, down, logits head), with
-    a decode-sized (1) and a prefill-sized (32) row count: the two tile configurations of kernels/int8_gemm.py."""
+    a row count per tile configuration of kernels/int8_gemm.py (CONFIG_ROWS)."""
+    from tritium.kernels.int8_gemm import CONFIG_ROWS  # triton: imported when an int8 engine warms up
     dev = torch.device(shape.device)
     q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     h, inter = shape.hidden_size, shape.intermediate_size
@@ -160,7 +161,7 @@ def int8_gemm_calls(shape: EngineShape) -> list[OpCall]:
         weight = torch.zeros(n, k, dtype=torch.int8, device=dev)
         scale = torch.ones(n, dtype=torch.float32, device=dev)
         calls += [OpCall("int8_gemm", (torch.zeros(rows, k, dtype=shape.dtype, device=dev), weight, scale))
-                  for rows in (1, 32)]
+                  for rows in CONFIG_ROWS]
     return calls
 
 

@@ -11,17 +11,28 @@
 # DEVICE_TIMEOUT_S (hard stop of gpu-check, default 470).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Before any python starts: the repository root must not be on sys.path, or its kernels/ would pass for the
+# `kernels` package transformers probes.
+export PYTHONSAFEPATH=1
 start=$(date +%s)
 python=${PYTHON:-python3}
 bundle=${DEVICE_BUNDLE:-build/device}
 run=build/device-run
 out=${OUT:-bench_results/gpu_check}
 
+if [ ! -f "$bundle/manifest.json" ]; then
+    echo "error: $bundle/manifest.json is missing: run \`make device-bundle\` on the development machine and carry" \
+         "$bundle with the call (docs/gpu-check.md); stopping before anything else" >&2
+    exit 2
+fi
+
 "$python" -c 'import sys, torch, triton, numpy, transformers
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}, "
       f"available: {torch.cuda.is_available()}), triton {triton.__version__}, numpy {numpy.__version__}, "
       f"transformers {transformers.__version__}", flush=True)'
-"$python" client/checks/device_bundle.py install --bundle "$bundle" --target "$run/site"
+# best effort: without the carried wheels gpu-check still runs (matplotlib missing: no PNG, the JSON has the figures)
+"$python" client/checks/device_bundle.py install --bundle "$bundle" --target "$run/site" ||
+    echo "warning: the carried wheels did not install; gpu-check runs without them" >&2
 
 mkdir -p "$run/view/tritium"
 touch "$run/view/tritium/__init__.py"
@@ -32,8 +43,6 @@ export PYTHONPATH="$PWD/$run/view:$PWD/$run/site${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/$run/triton-cache}  # empty on a fresh machine: counts cold compiles
 export MPLCONFIGDIR=${MPLCONFIGDIR:-$PWD/$run/matplotlib}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-# the repository root must not be on sys.path: its kernels/ would pass for the `kernels` package transformers probes
-export PYTHONSAFEPATH=1
 TRITIUM_GIT_COMMIT=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("git_commit") or "")' \
     "$bundle/manifest.json")
 export TRITIUM_GIT_COMMIT  # the commit the bundle was made at, for a copy of the tree without .git

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from tritium.client.bench.report import pyplot, save_figure, write_report
+from tritium.client.bench.timing import kernel_ms
 from tritium.client.bench.workload import kernel_grids, paged_cache
 from tritium.kernels import reference
 from tritium.kernels.decode_configs import DecodeConfig, table_entry
@@ -109,16 +109,6 @@ class KernelMeasurements:
     decode_window: list[WindowPoint] = field(default_factory=list)  # WINDOW_DECODE's contexts
 
 
-def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
-    if smoke:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1000
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60))
-
-
 def copy_bandwidth(device: str, nbytes: int) -> float:
     """GB/s of `dst.copy_(src)` on `device` for `nbytes`-byte tensors, counting the bytes read and written:
     the median of COPY_REPEATS copies, each timed with CUDA events (perf_counter off CUDA)."""
@@ -188,7 +178,7 @@ def sweep_decode(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch
             def launch(cfg: DecodeConfig = cfg) -> object:
                 return ops.decode_attention(q, k_cache, v_cache, table, lens, scale, config=cfg)
 
-            ms = _time_ms(launch, smoke)
+            ms = kernel_ms(launch, smoke)
             point.tritium_gbs = kv_bytes / ms / 1e6
         except Exception as exc:  # a configuration over the shared-memory limit must not stop the sweep
             point.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -225,7 +215,7 @@ def bench_prefill(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batc
     lens = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     # max_query_len given: no device sync inside the timed call (SDPA has none either)
-    ms = _time_ms(lambda: ops.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, seqlen), smoke)
+    ms = kernel_ms(lambda: ops.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, seqlen), smoke)
     flops = 4 * batch * heads * seqlen * seqlen * head_dim / 2  # causal: half the score matrix
     sdpa = None
     if device == "cuda":
@@ -235,7 +225,7 @@ def bench_prefill(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batc
         ks = torch.randn_like(qs)
         vs = torch.randn_like(qs)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            sdpa_ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+            sdpa_ms = kernel_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
                                smoke)
         sdpa = flops / sdpa_ms / 1e9
     return PrefillPoint(head_dim, batch, seqlen, flops / ms / 1e9, sdpa)
@@ -246,8 +236,8 @@ def bench_decode(ops: Any, device: str, dtype: torch.dtype, head_dim: int, batch
     """Time `ops.decode_attention` and the torch reference on `batch` sequences of `context` cached tokens."""
     q, k_cache, v_cache, table, lens, scale = decode_inputs(device, dtype, head_dim, batch, context, smoke)
     kv_heads = k_cache.shape[2]
-    ms = _time_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
-    base_ms = _time_ms(lambda: reference.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
+    ms = kernel_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
+    base_ms = kernel_ms(lambda: reference.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
     return DecodePoint(head_dim, batch, context, kv_bytes / ms / 1e6, kv_bytes / base_ms / 1e6, peak)
 
@@ -257,8 +247,8 @@ def bench_decode_window(ops: Any, device: str, dtype: torch.dtype, head_dim: int
     """Time `ops.decode_attention` with a `window`-key sliding window and without one on `batch` sequences of
     `context` cached tokens."""
     q, k_cache, v_cache, table, lens, scale = decode_inputs(device, dtype, head_dim, batch, context, smoke)
-    window_ms = _time_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale, window), smoke)
-    full_ms = _time_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
+    window_ms = kernel_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale, window), smoke)
+    full_ms = kernel_ms(lambda: ops.decode_attention(q, k_cache, v_cache, table, lens, scale), smoke)
     return WindowPoint(head_dim, batch, window, context, window_ms, full_ms)
 
 

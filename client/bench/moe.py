@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from tritium.client.bench.report import pyplot, save_figure, write_report
+from tritium.client.bench.timing import kernel_ms
 from tritium.kernels import reference
 from tritium.kernels.moe_configs import MoeConfig, moe_config, rows_per_expert, table_entry
 
@@ -90,17 +90,6 @@ class MoeMeasurements:
     table_entry: str | None = None  # the winners as a line of kernels/moe_configs.py's TUNED
 
 
-def time_ms(fn: Callable[[], object], smoke: bool) -> float:
-    """Milliseconds per call: one timed call when `smoke`, else triton's do_bench."""
-    if smoke:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1000
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60))
-
-
 def expert_weights(shape: MoeShape, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
     """Random `w13` and `w2` of `shape`, scaled to keep activations near 1."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -127,8 +116,8 @@ def bench_point(shape: MoeShape, batch: int, weights: dict[str, torch.Tensor], s
     tiles = "gpu" if smoke else "auto"
     got = triton_ops.fused_moe(**args, tiles=tiles)
     err = float((got.float() - reference.fused_moe(**args).float()).abs().max())
-    triton_ms = time_ms(lambda: triton_ops.fused_moe(**args, tiles=tiles), smoke)
-    reference_ms = time_ms(lambda: reference.fused_moe(**args), smoke)
+    triton_ms = kernel_ms(lambda: triton_ops.fused_moe(**args, tiles=tiles), smoke)
+    reference_ms = kernel_ms(lambda: reference.fused_moe(**args), smoke)
     return MoePoint(shape.name, batch, rows_per_expert(batch, shape.top_k, shape.experts), triton_ms, reference_ms,
                     err)
 
@@ -172,7 +161,7 @@ def sweep_moe(shape: MoeShape, batches: tuple[int, ...], dtype: torch.dtype, dev
                     baseline = out
                 elif not torch.allclose(out, baseline, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]):
                     raise ValueError(f"output differs from the default's by {(out - baseline).abs().max():.3g}")
-                point.ms = time_ms(lambda cfg=cfg, args=args: triton_ops.fused_moe(**args, config=cfg), smoke)
+                point.ms = kernel_ms(lambda cfg=cfg, args=args: triton_ops.fused_moe(**args, config=cfg), smoke)
             except Exception as exc:  # a configuration over the shared-memory limit must not stop the sweep
                 point.error = f"{type(exc).__name__}: {exc}"[:200]
             points.append(point)

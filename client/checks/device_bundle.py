@@ -195,30 +195,64 @@ def installed(name: str) -> bool:
     return any(normalize(d.metadata["Name"] or "") == name for d in importlib.metadata.distributions())
 
 
+def wheel_fits(file_name: str, version: tuple[int, int] = sys.version_info[:2]) -> bool:
+    """Whether a wheel's tags (its file name) fit CPython `version` on this machine's architecture: a pure wheel,
+    or one built for that version or for the stable ABI of an earlier one."""
+    import platform
+
+    python_tag, abi_tag, platform_tag = file_name[: -len(".whl")].split("-")[-3:]
+    if platform_tag != "any" and not platform_tag.endswith(platform.machine()):
+        return False
+    exact = f"cp{version[0]}{version[1]}"
+    for tag in python_tag.split("."):
+        if tag in ("py3", f"py{version[0]}{version[1]}") or (tag == exact and abi_tag in (exact, "none", "abi3")):
+            return True
+        if abi_tag == "abi3" and tag.startswith("cp3") and int(tag[3:] or 0) <= version[1]:
+            return True
+    return False
+
+
+def _pip_install(wheels: list[Path], target: Path) -> bool:
+    """pip (--no-index --no-deps) of `wheels` into `target`; whether it succeeded."""
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
+                          "--target", str(target), *map(str, wheels)], check=False)
+    return run.returncode == 0
+
+
 def install(bundle: Path, target: Path) -> list[str]:
-    """Install into `target` the bundle's wheels whose distribution is not installed already; returns their
-    file names. Uses pip (--no-index --no-deps) when this python has it, else unzips the wheels (enough for the
-    pure and binary wheels carried: none has scripts or data to place). Raises CalledProcessError when pip
-    fails."""
+    """Install into `target`, best effort, the bundle's wheels whose distribution is not installed already and
+    whose tags fit this python (its version read here, not the one the bundle was made for); returns their file
+    names. Uses pip (--no-index --no-deps) when this python has it, else unzips the wheels (enough for the pure and
+    binary wheels carried: none has scripts or data to place). A wheel that does not fit or fails is reported and
+    left out: gpu-check runs without it (no PNG without matplotlib)."""
     import importlib.util
 
     manifest = read_manifest(bundle)
     wheels = manifest["wheels"]
     assert isinstance(wheels, list)
     missing = [bundle / w["path"] for w in wheels if not installed(w["name"])]
+    unfit = [p for p in missing if not wheel_fits(p.name)]
+    if unfit:
+        print(f"skipped {len(unfit)} wheels made for another python than {sys.version.split()[0]} (the bundle's "
+              f"{manifest.get('python_version')}): {', '.join(p.name for p in unfit)}", flush=True)
+    chosen = [p for p in missing if p not in unfit]
     target.mkdir(parents=True, exist_ok=True)
-    if missing and importlib.util.find_spec("pip") is not None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
-                        "--target", str(target), *map(str, missing)], check=True)
-    else:
-        for wheel in missing:
-            with zipfile.ZipFile(wheel) as z:
-                z.extractall(target)
+    pip = importlib.util.find_spec("pip") is not None
+    done = chosen if chosen and pip and _pip_install(chosen, target) else []
+    for wheel in [] if done else chosen:  # one at a time, when pip took them together badly or is absent
+        try:
+            if not pip or not _pip_install([wheel], target):
+                with zipfile.ZipFile(wheel) as z:
+                    z.extractall(target)
+            done.append(wheel)
+        except (OSError, zipfile.BadZipFile) as exc:
+            print(f"warning: {wheel.name} did not install ({type(exc).__name__}); gpu-check goes on without it",
+                  flush=True)
     have = [w["name"] for w in wheels if bundle / w["path"] not in missing]
-    print(f"installed {len(missing)} wheels into {target}"
-          f"{': ' + ', '.join(p.name for p in missing) if missing else ''}; already there: "
+    print(f"installed {len(done)} wheels into {target}"
+          f"{': ' + ', '.join(p.name for p in done) if done else ''}; already there: "
           f"{', '.join(have) or 'none'}", flush=True)
-    return [p.name for p in missing]
+    return [p.name for p in done]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,6 +88,7 @@ def check_kernel_bench(smoke: bool) -> Outcome:
     from tritium.client.bench.kernels import measure_kernels
     from tritium.client.bench.moe import moe_sweep_figures
     from tritium.client.bench.workload import kernel_grids
+    from tritium.client.checks.int8_speed import int8_gemm_figures
     from tritium.client.checks.kernels import time_lora
 
     if smoke:
@@ -103,6 +104,10 @@ def check_kernel_bench(smoke: bool) -> Outcome:
         figures["moe"] = moe_sweep_figures(smoke, MOE_SWEEP_BUDGET_S)
     except Exception as exc:
         figures["moe"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    try:
+        figures["int8_gemm"] = int8_gemm_figures(smoke)
+    except Exception as exc:
+        figures["int8_gemm"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     timed = f"{len(measured.prefill)} prefill + {len(measured.decode)} decode shapes"
     if smoke:
         summary = f"{timed} under the interpreter (smoke: the numbers mean nothing)"

@@ -19,7 +19,6 @@ the kernel benchmark) times each form next to the base GEMM it sits beside (the 
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tritium.client.bench.timing import kernel_ms
 from tritium.client.bench.workload import paged_cache
 from tritium.client.checks.report import FAIL, PASS, Outcome
 
@@ -315,16 +315,6 @@ class LoraTiming:
         return self.lora_ms / self.gemm_ms if self.gemm_ms > 0 else 0.0
 
 
-def _time_ms(fn: Callable[[], object], smoke: bool) -> float:
-    if smoke:  # one interpreted run: checks the code, the figure means nothing
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1000
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50))
-
-
 def time_lora(smoke: bool) -> dict[str, Any]:
     """Step 4's LoRA figures: for the q_proj (hidden -> q) and down_proj (intermediate -> hidden) of each layout,
     the per-row form at decode batches and the segmented form at a prefill size (rows spread over four rank-16
@@ -365,8 +355,8 @@ def time_lora(smoke: bool) -> dict[str, Any]:
                     def lora(row_slots: torch.Tensor = row_slots, x: torch.Tensor = x, y: torch.Tensor = y,
                              a: torch.Tensor = a, b: torch.Tensor = b, s: torch.Tensor = scaling) -> None:
                         add_lora_rows(y, x, row_slots, a, b, s, _Tiled(tri, tiles))
-                timings.append(LoraTiming(lay.name, module, form, rows, _time_ms(lora, smoke),
-                                          _time_ms(lambda x=x, w=w: x @ w.t(), smoke)))
+                timings.append(LoraTiming(lay.name, module, form, rows, kernel_ms(lora, smoke),
+                                          kernel_ms(lambda x=x, w=w: x @ w.t(), smoke)))
     if device == "cuda":
         torch.cuda.synchronize()
     return {"rank": LORA_RANK, "adapters": LORA_SLOTS, "dtype": str(dtype).removeprefix("torch."),

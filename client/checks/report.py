@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tritium.client.checks.int8_speed import INT8_GOAL_MAX_ROWS, INT8_GOAL_SPEEDUP, int8_goal
+
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 PREFILL_GOAL_RATIO = 0.9  # tritium prefill TFLOP/s over SDPA flash's, at PREFILL_GOAL_MIN_TOKENS tokens and more
 PREFILL_GOAL_MIN_TOKENS = 2048
@@ -48,7 +50,7 @@ class Goal:
 
 
 def goal_verdicts(steps: dict[str, StepResult]) -> list[Goal]:
-    """The issue's three performance goals, judged from the kernel benchmark and the step timing."""
+    """The performance goals, judged from the kernel benchmark and the step timing."""
     bench = steps.get("kernel_bench")
     prefill = [p for p in (bench.figures.get("prefill", []) if bench else [])
                if p["seqlen"] >= PREFILL_GOAL_MIN_TOKENS and p["sdpa_flash_tflops"]]
@@ -60,6 +62,7 @@ def goal_verdicts(steps: dict[str, StepResult]) -> list[Goal]:
     timing = steps.get("step_timing")
     host = timing.figures.get("host_ms_per_step") if timing else None
     gpu = timing.figures.get("gpu_ms_per_step") if timing else None
+    int8_met, int8_measured, int8_detail = int8_goal(bench.figures.get("int8_gemm", {}) if bench else {})
     return [
         Goal(f"prefill >= {PREFILL_GOAL_RATIO}x SDPA flash TFLOP/s at {PREFILL_GOAL_MIN_TOKENS // 1024}k+ tokens",
              _verdict(bool(ratios) and min(ratios) >= PREFILL_GOAL_RATIO, bool(ratios)),
@@ -73,6 +76,8 @@ def goal_verdicts(steps: dict[str, StepResult]) -> list[Goal]:
              _verdict(host is not None and gpu is not None and host < gpu, host is not None and gpu is not None),
              f"host {host:.2f} ms vs GPU {gpu:.2f} ms per step" if host is not None and gpu is not None
              else "not measured"),
+        Goal(f"int8 GEMM >= {INT8_GOAL_SPEEDUP}x bf16 at <= {INT8_GOAL_MAX_ROWS} rows (4096 x 4096 layer)",
+             _verdict(int8_met, int8_measured), int8_detail),
     ]
 
 

@@ -28,11 +28,12 @@ def embed_inputs(item: str | list[int]) -> list[Any]:
 
 async def embed_one(router: Router, item: str | list[int], request_id: str, model: str = EMBED_MODEL
                     ) -> tuple[np.ndarray, int]:
-    """(the fp32 vector, its input tokens). Raises UpstreamError: 400 the model refused the input (its words), 503
-    no replica up or every one overloaded, 500 otherwise."""
+    """(the fp32 vector, its input tokens). Raises UpstreamError: 400 the model refused the input (its words), 404 no
+    replica tried serves `model`, 503 no replica up or every one overloaded, 500 otherwise."""
     tried: set[str] = set()
     prompt = item if isinstance(item, str) else " ".join(map(str, item[:64]))
     last: UpstreamError | None = None
+    unserved = 0  # replicas that answered they have no such model
     while (replica := router.pick(prompt, tried)) is not None:
         tried.add(replica.url)
         replica.in_flight += 1
@@ -41,6 +42,9 @@ async def embed_one(router: Router, item: str | list[int], request_id: str, mode
                                                 headers=router.headers)
         except Exception as exc:
             last = upstream_failure(exc, replica.url, request_id)
+            if "unknown model" in str(last).lower():
+                unserved += 1
+                continue
             if not last.retryable:
                 raise last from exc
             if replica_down(exc) and not last.overloaded:
@@ -53,6 +57,8 @@ async def embed_one(router: Router, item: str | list[int], request_id: str, mode
         if vector is None or tokens is None:
             raise UpstreamError(f"{replica.url} ({request_id}): the response has no embedding", 500)
         return vector.reshape(-1).astype(np.float32), int(tokens.reshape(-1)[0])
+    if tried and unserved == len(tried):
+        raise UpstreamError(f"no replica serves {model} ({request_id})", 404)
     raise last or UpstreamError("no replica is up", 503, overloaded=False)
 
 

@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
-from tritium.client.cluster.embed import embed_one
+from tritium.client.cluster.embed import EMBED_MODEL, embed_one
 from tritium.client.cluster.upstream import UpstreamError
 from tritium.client.openai.errors import upstream_response
 from tritium.client.openai.protocol import MAX_PROMPTS, error_response
@@ -21,15 +21,19 @@ from tritium.client.openai.service import OpenAIService
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # token ids: integers, not booleans
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # accepted, ignored
 
 
+MAX_TOKEN_ID = 2**31  # what an INT32 input can carry; the model then checks its vocabulary
+
+
 def embedding_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The request's inputs, one per vector. Raises ValueError naming `input` (empty, or too many)."""
+    """The request's inputs, one per vector. Raises ValueError naming `input`: empty, too many, text that is not
+    UTF-8, token ids out of range."""
     items: list[str | list[int]]
     if isinstance(value, str):
         items = [value]
@@ -44,6 +48,13 @@ def embedding_inputs(value: str | list[str] | list[int] | list[list[int]]) -> li
     for i, item in enumerate(items):
         if not item:
             raise ValueError(f"input[{i}] must not be empty")
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"input[{i}] cannot be sent as UTF-8 text (a lone surrogate)") from None
+        elif not all(0 <= t < MAX_TOKEN_ID for t in item):
+            raise ValueError(f"input[{i}]: token ids must be integers in [0, {MAX_TOKEN_ID})")
     return items
 
 
@@ -75,6 +86,9 @@ async def embeddings(service: OpenAIService, body: EmbeddingRequest) -> dict[str
     except UpstreamError as exc:
         if exc.status == 400 and len(items) > 1:
             return error_response(400, str(exc), param="input")
+        if exc.status == 404:
+            return error_response(404, f"no upstream serves embeddings: load the {EMBED_MODEL} model (`tritium "
+                                  "serve --embeddings`)", param="model", code="model_not_found")
         return upstream_response(exc, request_id)
     size = len(results[0][0])
     if body.dimensions is not None and body.dimensions != size:

@@ -33,7 +33,9 @@ def test_gpu_check_smoke(tmp_path: Path, default_model_path: Path) -> None:
     assert families["gemma3"]["shape"]["sliding_window"] == 8 and "sliding_window" not in families["qwen3"]["shape"]
     assert all(s["seconds"] >= 0 and s["summary"] for s in data["steps"])
     assert data["smoke"] and data["passed"] and data["machine"]["torch"] and data["machine"]["triton"]
-    assert [g["verdict"] for g in data["goals"]] == ["not measured"] * 3
+    assert [g["verdict"] for g in data["goals"]] == ["not measured"] * 4
+    int8 = next(s for s in data["steps"] if s["name"] == "kernel_bench")["figures"]["int8_gemm"]
+    assert [p["rows"] for p in int8["points"]] == [1, 16] and all(p["int8_ms"] > 0 for p in int8["points"])
     parity = next(s for s in data["steps"] if s["name"] == "parity")["figures"]
     assert all(p["identical"] for p in parity["prompts"])
     assert (out / "gpu_check.png").stat().st_size > 10_000
@@ -53,11 +55,17 @@ def test_goal_verdicts() -> None:
                 "peak_gbs": 4800.0}
 
     # decode is judged against the copy measured on the device (4,000 GB/s), not the data sheet's 4,800
+    def int8(rows: int, speedup: float) -> dict[str, object]:
+        return {"rows": rows, "int8_ms": 1.0, "bf16_ms": speedup, "speedup": speedup}
+
+    # int8 is judged at 16 rows and fewer only: prefill-sized GEMMs may run dense
     bench = step("kernel_bench", prefill=[prefill(1024, 10, 100), prefill(2048, 95, 100), prefill(8192, 91, 100)],
-                 decode=[decode(8, 100.0), decode(64, 3000.0)], copy_gbs=4000.0)
+                 decode=[decode(8, 100.0), decode(64, 3000.0)], copy_gbs=4000.0,
+                 int8_gemm={"layer": [4096, 4096], "points": [int8(1, 1.8), int8(16, 1.4), int8(4096, 0.7)]})
     timing = step("step_timing", host_ms_per_step=2.0, gpu_ms_per_step=3.0)
     goals = goal_verdicts({"kernel_bench": bench, "step_timing": timing})
-    assert [g.verdict for g in goals] == ["met", "met", "met"]
+    assert [g.verdict for g in goals] == ["met", "met", "met", "met"]
+    assert "worst 1.40x at 2 row counts" in goals[3].value
     assert "0.91x" in goals[0].value and "75% of 4000 GB/s (copy)" in goals[1].value
     bench.figures["copy_gbs"] = 4500.0  # 3,000 is 67% of it
     assert goal_verdicts({"kernel_bench": bench})[1].verdict == "missed"
@@ -67,9 +75,10 @@ def test_goal_verdicts() -> None:
 
     bench.figures["prefill"].append(prefill(4096, 80, 100))
     timing.figures["gpu_ms_per_step"] = 1.5
+    bench.figures["int8_gemm"]["points"].append(int8(8, 1.1))
     assert [g.verdict for g in goal_verdicts({"kernel_bench": bench, "step_timing": timing})] == \
-        ["missed", "met", "missed"]
-    assert [g.verdict for g in goal_verdicts({})] == ["not measured"] * 3
+        ["missed", "met", "missed", "missed"]
+    assert [g.verdict for g in goal_verdicts({})] == ["not measured"] * 4
 
 
 def test_split_profile_separates_host_waits_and_gpu_time() -> None:

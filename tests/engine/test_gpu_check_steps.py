@@ -58,7 +58,7 @@ def test_only_the_selected_steps_run_and_the_json_is_written_after_each(tmp_path
     assert steps["4"]["summary"] == "RuntimeError: the device fell over"
     assert steps["2"]["summary"] == "not selected (--steps)"
     assert on_disk["passed"] is False and on_disk["complete"] is True
-    assert [g["verdict"] for g in on_disk["goals"]] == ["not measured"] * 3  # type: ignore[union-attr]
+    assert [g["verdict"] for g in on_disk["goals"]] == ["not measured"] * 4  # type: ignore[union-attr]
     assert any(line.startswith("2 greedy parity") and "not run" in line for line in on_disk["summary"])  # type: ignore[union-attr]
     assert (out / "gpu_check.png").is_file()
 

@@ -11,7 +11,7 @@ import torch
 from tritium.backend.layers.int8_linear import Int8Linear, quantize_per_channel
 from tritium.kernels import reference as ref
 from tritium.kernels import triton_ops as tri
-from tritium.kernels.int8_gemm import int8_gemm_config
+from tritium.kernels.int8_gemm import CONFIG_ROWS, int8_gemm_config
 from tritium.kernels.warmup import EngineShape, warmup_calls
 
 from support.triton_interpreter import TOL
@@ -39,16 +39,20 @@ def test_small_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("m", [1, 3, 20, 40, 70])
 def test_gpu_tiles(m: int, dtype: torch.dtype) -> None:
-    """Decode tiles (16x64x128) for m <= 16, prefill tiles (64x128x64; fp32 32x64x32) above; N and K not multiples
-    of them."""
+    """Decode tiles (16x64x128) for m <= 16, 32/64x64x128 up to 64 rows, prefill tiles (64x128x64; fp32 32x64x32)
+    above; N and K not multiples of them."""
     run(m, 136, 192, dtype, "gpu", strided=m == 3)
 
 
 def test_gpu_config_by_rows() -> None:
-    assert int8_gemm_config(1).block_m == 16 and int8_gemm_config(64).block_m == 64
+    assert int8_gemm_config(1).block_m == 16 and int8_gemm_config(65)[:2] == (64, 128)
+    # 17-64 rows: 64-wide tiles, twice the programs of the prefill tiles on a 4096-wide layer
+    assert int8_gemm_config(20)[:2] == (32, 64) and int8_gemm_config(64)[:2] == (64, 64)
     assert int8_gemm_config(64, torch.float32).block_m == 32
+    # the warm-up's row counts reach every configuration
+    assert len({int8_gemm_config(m) for m in CONFIG_ROWS}) == len(CONFIG_ROWS)
     assert int8_gemm_config(1, torch.float16, "small", "cpu") == (16, 16, 16, 4, 1)
 
 
@@ -63,8 +67,8 @@ def test_empty_and_mismatched() -> None:
 def test_warm_up_builds_every_quantized_projection() -> None:
     shape = EngineShape(9, 3, 64, 576, 1536, 64, 16, 4, torch.bfloat16, quantization="int8")
     calls = [c for c in warmup_calls(shape) if c.op == "int8_gemm"]
-    assert len(calls) == 10  # 5 projections x (decode, prefill) tile configurations
-    assert {c.args[0].shape[0] for c in calls} == {1, 32}
+    assert len(calls) == 5 * len(CONFIG_ROWS)  # 5 projections x every tile configuration
+    assert {c.args[0].shape[0] for c in calls} == set(CONFIG_ROWS)
     assert {tuple(c.args[1].shape) for c in calls} == {(256, 256), (256 + 576 % 16, 256), (256, 256 + 1536 % 16)}
     for c in calls:
         tri.int8_gemm(*c.args)

@@ -86,8 +86,11 @@ def assert_covered(results: list[dict[str, Any]], arch: int) -> None:
     assert smol == KERNELS - {"gelu_tanh_and_mul_kernel"} - MOE  # Gemma's MLP, the experts
     bitmask = [r for r in mine if r["kernel"] == "token_bitmask_kernel"]
     assert len(bitmask) == 2  # int32 and int64 rows; fp32 logits of every vocabulary size (all multiples of 16)
-    int8 = {(r["dtype"], r["constexprs"]["BLOCK_M"]) for r in mine if r["kernel"] == "int8_gemm_kernel"}
-    assert int8 == {("fp16", 16), ("fp16", 64), ("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 32)}, int8
+    int8 = {(r["dtype"], r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"]) for r in mine
+            if r["kernel"] == "int8_gemm_kernel"}
+    # every tile configuration of kernels/int8_gemm.py: 16x64, 32x64 and 64x64 (decode batches), 64x128; fp32 two
+    assert int8 == {(d, m, n) for d in ("fp16", "bf16") for m, n in ((16, 64), (32, 64), (64, 64), (64, 128))} | \
+        {("fp32", 16, 64), ("fp32", 32, 64)}, int8
     lora = {(r["kernel"], r["dtype"]) for r in mine if r["kernel"].startswith("lora_")}
     assert lora == {(k, d) for k in KERNELS if k.startswith("lora_") for d in DTYPES}, lora
     # Qwen3-30B-A3B (top-8), Mixtral (top-2): silu; gpt-oss-120b (top-4): swiglu_oai with biases; decode- and

@@ -1,6 +1,7 @@
 """The Triton LoRA shrink / expand kernels (kernels/lora.py, under TRITON_INTERPRET=1) against their torch
 references (kernels/reference.py) and the engine's host-segment ops (backend/lora/ops.py): GPU tiles on small
-shapes, mixed slots, rows of no adapter untouched, y a strided column slice of a fused output, ranks 8 and 16."""
+shapes, mixed slots, rows of no adapter untouched, y a strided column slice of a fused output, ranks 8, 16, 64 and
+256."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("rank", [8, 16, 64, 256])
 def test_segmented_kernels_match_the_references(rank: int, dtype: torch.dtype) -> None:
     torch.manual_seed(rank)
     a, b, scaling = stacks(rank, dtype, rank)
@@ -73,7 +74,7 @@ def test_segmented_kernels_match_the_references(rank: int, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("rank", [8, 16, 64, 256])
 def test_per_row_kernels_match_the_references(rank: int, dtype: torch.dtype) -> None:
     a, b, scaling = stacks(rank, dtype, 100 + rank)
     x = torch.randn(len(TOKEN_SLOTS), IN).to(dtype)

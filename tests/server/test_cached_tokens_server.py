@@ -145,8 +145,10 @@ def test_openai_usage_reports_the_prefix_hit(client: openai.OpenAI) -> None:
                                            temperature=0) for _ in range(2)]
     usages = [c.usage for c in chat]
     assert all(u is not None and u.prompt_tokens_details is not None for u in usages)
-    assert usages[0].prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    # the chat template's system turn is the same for every chat on this shared server: its full blocks may be
+    # cached before the first call; the repeat hits the whole prompt
     hit = expected_hit(usages[1].prompt_tokens, block)  # type: ignore[union-attr]
+    assert usages[0].prompt_tokens_details.cached_tokens < hit  # type: ignore[union-attr]
     assert usages[1].prompt_tokens_details.cached_tokens == hit > 0  # type: ignore[union-attr]
     streamed = list(client.chat.completions.create(
         model="tritium", messages=messages, max_tokens=2, temperature=0, stream=True,  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tritium.client.checks import device_bundle
-from tritium.client.checks.device_bundle import BundleTooLarge, install, prepare
+from tritium.client.checks.device_bundle import BundleTooLarge, install, prepare, wheel_fits
 
 
 def make_wheel(folder: Path, name: str, version: str, payload: bytes = b"") -> Path:
@@ -88,3 +88,35 @@ def test_install_adds_only_the_wheels_the_python_lacks(tmp_path: Path, model_fil
 def test_install_without_a_bundle_says_how_to_make_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert device_bundle.main(["install", "--bundle", str(tmp_path / "none")]) == 1
     assert "make device-bundle" in capsys.readouterr().err
+
+
+def test_wheels_are_chosen_by_the_running_pythons_version_and_machine() -> None:
+    import platform
+
+    arch = platform.machine()
+    assert wheel_fits("six-1.17.0-py2.py3-none-any.whl", (3, 11))
+    assert wheel_fits(f"pillow-11.0.0-cp312-cp312-manylinux_2_28_{arch}.whl", (3, 12))
+    assert not wheel_fits(f"pillow-11.0.0-cp312-cp312-manylinux_2_28_{arch}.whl", (3, 11))
+    assert wheel_fits(f"kiwi-1.0-cp310-abi3-manylinux_2_17_{arch}.whl", (3, 12))  # the stable ABI of 3.10 on
+    assert not wheel_fits(f"kiwi-1.0-cp313-abi3-manylinux_2_17_{arch}.whl", (3, 12))
+    assert not wheel_fits("pillow-11.0.0-cp312-cp312-manylinux_2_28_not_this_machine.whl", (3, 12))
+
+
+def test_a_bundle_for_another_python_installs_what_fits_and_goes_on(tmp_path: Path, model_files: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(device_bundle, "download_wheels", fake_download())
+    bundle = tmp_path / "device"
+    prepare(bundle, model_files, repo=tmp_path)
+    monkeypatch.setattr(device_bundle, "wheel_fits", lambda name, version=(0, 0): False)
+    assert install(bundle, tmp_path / "site") == []
+    assert "skipped 1 wheels made for another python" in capsys.readouterr().out
+
+
+def test_the_device_command_stops_before_any_python_without_a_bundle(tmp_path: Path) -> None:
+    root = Path(device_bundle.__file__).parents[2]
+    run = subprocess.run(["bash", "tools/device-check.sh"], capture_output=True, text=True, cwd=root,
+                         env={"PATH": "/usr/bin:/bin", "DEVICE_BUNDLE": str(tmp_path / "none"),
+                              "PYTHON": str(tmp_path / "no-python-here")})
+    assert run.returncode == 2
+    assert "make device-bundle" in run.stderr and "no-python-here" not in run.stderr

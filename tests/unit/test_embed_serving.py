@@ -10,10 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from tritium.backend.serving.embed_model import EmbedJob, EmbedQueue, parse_embed_inputs
 from tritium.backend.serving.jobs import ErrorKind
-from tritium.client.openai.embeddings import embedding_inputs, encode_vector
+from tritium.client.openai.embeddings import EmbeddingRequest, embedding_inputs, encode_vector
 from tritium.client.triton.launcher import startup_models
 from tritium.client.triton.repository import PACKAGE_REPOSITORY
 
@@ -85,6 +86,13 @@ def test_endpoint_inputs_and_base64() -> None:
     assert embedding_inputs([[1], [2, 3]]) == [[1], [2, 3]]
     with pytest.raises(ValueError, match=r"input\[1\] must not be empty"):
         embedding_inputs(["a", ""])
+    # what the fuzzer sent: ids past INT32, a lone surrogate; both refused naming the input (a 400, not a 500)
+    with pytest.raises(ValueError, match=r"input\[1\]: token ids must be integers in \[0, 2147483648\)"):
+        embedding_inputs([[1], [-262315, 46624]])
+    with pytest.raises(ValueError, match=r"input\[0\] cannot be sent as UTF-8"):
+        embedding_inputs(["\ud800"])
+    with pytest.raises(ValidationError):  # booleans are not token ids
+        EmbeddingRequest(input=[[False]])
     encoded = encode_vector(np.array([1.5, -2.0], dtype=np.float32), "base64")
     assert isinstance(encoded, str)
     assert np.frombuffer(base64.b64decode(encoded), dtype="<f4").tolist() == [1.5, -2.0]
