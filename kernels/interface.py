@@ -10,6 +10,7 @@ int32 `[num_seqs, max_blocks]`; `slot_mapping` `[num_tokens]` (block * block_siz
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -69,28 +70,34 @@ class KernelOps(Protocol):
         ...
 
     def lora_shrink(self, x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, token_indices: torch.Tensor,
-                    seg_starts: torch.Tensor, seg_slots: torch.Tensor, buffer: torch.Tensor, max_rows: int) -> None:
+                    seg_starts: torch.Tensor, seg_slots: torch.Tensor, buffer: torch.Tensor, max_rows: int,
+                    num_slices: int = 1) -> None:
         """LoRA shrink over segments of one slot each (kernels/lora.py): `buffer[i] = scaling[s] *
         x[token_indices[i]] @ A[s]^T`, segment j = places `seg_starts[j]:seg_starts[j+1]` of slot `seg_slots[j]`;
-        `max_rows`: the longest segment. A `[slots, rank, in]`, scaling fp32 `[slots]`, buffer `[rows, rank]`."""
+        `max_rows`: the longest segment. A `[slots, rank rows, in]` holds `num_slices` modules' ranks side by side
+        (a fused projection's), scaling fp32 `[slots]`, buffer `[rows, rank rows]`."""
         ...
 
     def lora_expand(self, buffer: torch.Tensor, lora_b: torch.Tensor, token_indices: torch.Tensor,
-                    seg_starts: torch.Tensor, seg_slots: torch.Tensor, y: torch.Tensor, max_rows: int) -> None:
-        """LoRA expand over the same segments, in place: `y[token_indices[i]] += buffer[i] @ B[s]^T`, B
-        `[slots, out, rank]`; y `[T, out]` may be a strided column slice. Other rows of y are not touched."""
+                    seg_starts: torch.Tensor, seg_slots: torch.Tensor, y: torch.Tensor, max_rows: int,
+                    bounds: Sequence[int] | None = None) -> None:
+        """LoRA expand over the same segments, in place: `y[token_indices[i], c] += buffer[i, module m's ranks] @
+        B[s, c]^T` for the columns c of module m, `bounds[m] <= c < bounds[m+1]` (None: one module; 1-3 modules
+        from 0 to y's width). B `[slots, out, rank]`; y `[T, out]` may be a strided column slice. Other rows of y
+        are not touched."""
         ...
 
     def lora_shrink_rows(self, x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, row_slots: torch.Tensor,
-                         buffer: torch.Tensor) -> None:
-        """LoRA shrink with one adapter per row: `buffer[t] = scaling[s] * x[t] @ A[s]^T` where `row_slots[t] = s`
-        (-1: none, skipped). A fixed grid per row count: CUDA-graph capturable."""
+                         partials: torch.Tensor, num_slices: int = 1) -> None:
+        """LoRA shrink with one adapter per row (-1: none, skipped), as split-K partial sums: fp32 `partials`
+        `[splits, T, rank rows]` whose sum over splits is `scaling[s] * x[t] @ A[s]^T`, `row_slots[t] = s`. A fixed
+        grid per row count: CUDA-graph capturable."""
         ...
 
-    def lora_expand_rows(self, buffer: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor,
-                         y: torch.Tensor) -> None:
-        """LoRA expand with one adapter per row, in place: `y[t] += buffer[t] @ B[s]^T` where `row_slots[t] = s`
-        (-1: the row is not touched)."""
+    def lora_expand_rows(self, partials: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor,
+                         y: torch.Tensor, bounds: Sequence[int] | None = None) -> None:
+        """LoRA expand with one adapter per row, in place: `y[t, c] += partials[:, t, module m's ranks].sum(0) @
+        B[s, c]^T` (`bounds` as in `lora_expand`); rows with `row_slots[t] = -1` are not touched."""
         ...
 
     def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

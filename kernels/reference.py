@@ -6,6 +6,9 @@ against. Shapes: packed tokens first; caches are `[num_blocks, block_size, num_k
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -292,11 +295,16 @@ def int8_gemm(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return (a.float() @ (q.float() * scale.float()[:, None]).T).to(a.dtype)
 
 
+def _module_edges(bounds: Sequence[int] | None, y: torch.Tensor) -> list[int]:
+    return list(bounds) if bounds is not None else [0, y.shape[1]]
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, token_indices: torch.Tensor,
-                seg_starts: torch.Tensor, seg_slots: torch.Tensor, buffer: torch.Tensor, max_rows: int) -> None:
+                seg_starts: torch.Tensor, seg_slots: torch.Tensor, buffer: torch.Tensor, max_rows: int,
+                num_slices: int = 1) -> None:
     """LoRA shrink reference: `buffer[i] = scaling[s] * x[token_indices[i]] @ A[s]^T` over each segment
     (slot `seg_slots[j]`, places `seg_starts[j]:seg_starts[j+1]`), fp32 accumulation (reads the segments on the
-    host; backend/lora/ops.py has the engine's synchronization-free form)."""
+    host; backend/lora/ops.py has the engine's synchronization-free form). `num_slices` only splits the work."""
     starts = seg_starts.tolist()
     for j, slot in enumerate(seg_slots.tolist()):
         rows = token_indices[starts[j] : starts[j + 1]].long()
@@ -305,30 +313,42 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, to
 
 
 def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_indices: torch.Tensor, seg_starts: torch.Tensor,
-                seg_slots: torch.Tensor, y: torch.Tensor, max_rows: int) -> None:
-    """LoRA expand reference: `y[token_indices[i]] += buffer[i] @ B[s]^T` over each segment, in place (fp32
-    accumulation, then y's dtype)."""
-    starts = seg_starts.tolist()
+                seg_slots: torch.Tensor, y: torch.Tensor, max_rows: int, bounds: Sequence[int] | None = None) -> None:
+    """LoRA expand reference: `y[token_indices[i], c] += buffer[i, module m's ranks] @ B[s, c]^T` over each segment
+    and each module m's columns `bounds[m]:bounds[m+1]` (None: one module), in place (fp32 accumulation, then y's
+    dtype)."""
+    starts, edges, rank = seg_starts.tolist(), _module_edges(bounds, y), lora_b.shape[2]
     for j, slot in enumerate(seg_slots.tolist()):
         rows = token_indices[starts[j] : starts[j + 1]].long()
-        delta = buffer[starts[j] : starts[j + 1]].float() @ lora_b[slot].float().t()
-        y[rows] = (y[rows].float() + delta).to(y.dtype)
+        for m, (lo, hi) in enumerate(pairwise(edges)):
+            part = buffer[starts[j] : starts[j + 1], m * rank : (m + 1) * rank]
+            delta = part.float() @ lora_b[slot, lo:hi].float().t()
+            y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
 
 
 def lora_shrink_rows(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor, row_slots: torch.Tensor,
-                     buffer: torch.Tensor) -> None:
-    """Per-row LoRA shrink reference: `buffer[t] = scaling[s] * x[t] @ A[s]^T` where `row_slots[t] = s >= 0`
-    (other rows of buffer are left as they are)."""
+                     partials: torch.Tensor, num_slices: int = 1) -> None:
+    """Per-row LoRA shrink reference: the whole `scaling[s] * x[t] @ A[s]^T` in split 0 of fp32 `partials`
+    `[splits, T, rank rows]` and zeros in the other splits, where `row_slots[t] = s >= 0` (other rows are left as
+    they are)."""
     for t, slot in enumerate(row_slots.tolist()):
         if slot >= 0:
-            buffer[t] = ((lora_a[slot].float() @ x[t].float()) * scaling[slot].float()).to(buffer.dtype)
+            partials[:, t] = 0.0
+            partials[0, t] = (lora_a[slot].float() @ x[t].float()) * scaling[slot].float()
 
 
-def lora_expand_rows(buffer: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor, y: torch.Tensor) -> None:
-    """Per-row LoRA expand reference: `y[t] += buffer[t] @ B[s]^T` where `row_slots[t] = s >= 0`, in place."""
+def lora_expand_rows(partials: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor, y: torch.Tensor,
+                     bounds: Sequence[int] | None = None) -> None:
+    """Per-row LoRA expand reference: `y[t, c] += partials[:, t, module m's ranks].sum(0) @ B[s, c]^T` where
+    `row_slots[t] = s >= 0`, for each module m's columns (`bounds` as in `lora_expand`), in place."""
+    edges, rank = _module_edges(bounds, y), lora_b.shape[2]
     for t, slot in enumerate(row_slots.tolist()):
-        if slot >= 0:
-            y[t] = (y[t].float() + lora_b[slot].float() @ buffer[t].float()).to(y.dtype)
+        if slot < 0:
+            continue
+        buffer = partials[:, t].sum(0)
+        for m, (lo, hi) in enumerate(pairwise(edges)):
+            delta = lora_b[slot, lo:hi].float() @ buffer[m * rank : (m + 1) * rank]
+            y[t, lo:hi] = (y[t, lo:hi].float() + delta).to(y.dtype)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

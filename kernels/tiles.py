@@ -24,3 +24,9 @@ def use_gpu_tiles(tiles: str, device: torch.device | str) -> bool:
     if tiles == "auto":
         return torch.device(device).type == "cuda"
     return tiles == "gpu"
+
+
+def lora_row_splits(in_features: int) -> int:
+    """How many K splits the per-row shrink of `in_features` inputs runs (the first dimension of its partial sums):
+    a batch of few rows then still fills the GPU (a program per row, module and split)."""
+    return max(1, min(32, in_features // 256))

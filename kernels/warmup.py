@@ -31,6 +31,7 @@ import torch
 from tritium.kernels.decode_attention import SPLIT_CHOICES
 from tritium.kernels.interface import KernelOps
 from tritium.kernels.moe_configs import config_row_counts
+from tritium.kernels.tiles import lora_row_splits
 
 
 @dataclass
@@ -166,31 +167,32 @@ def int8_gemm_calls(shape: EngineShape) -> list[OpCall]:
 
 
 def lora_calls(shape: EngineShape, max_rank: int, slots: int = 2) -> list[OpCall]:
-    """The LoRA shrink and expand (segmented and per row) at each target module's (in, out) (q, k/v, o, gate/up,
-    down; y a column slice of its fused output, as the model passes it), with stacks of `max_rank` over
-    `slots` slots and int32 indices (the staging buffer's)."""
+    """The LoRA shrink and expand (segmented and per row) of each fused projection (q/k/v, o, gate/up, down: its
+    modules in one launch each, as backend/lora/weights.py stacks them), with stacks of `max_rank` over `slots`
+    slots, int32 indices (the staging buffer's) and the engine's K splits."""
     dev = torch.device(shape.device)
     q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     h, inter = shape.hidden_size, shape.intermediate_size
-    # (in, out, the fused output's width, the slice's first column)
-    qkv = q_size + 2 * kv_size
-    modules = {(h, q_size, qkv, 0), (h, kv_size, qkv, q_size), (h, kv_size, qkv, q_size + kv_size), (q_size, h, h, 0),
-               (h, inter, 2 * inter, 0), (h, inter, 2 * inter, inter), (inter, h, h, 0)}
+    # (in, the modules' column bounds in the fused output)
+    projections = [(h, (0, q_size, q_size + kv_size, q_size + 2 * kv_size)), (q_size, (0, h)),
+                   (h, (0, inter, 2 * inter)), (inter, (0, h))]
     rows = torch.zeros(2, dtype=torch.int32, device=dev)
     starts = torch.tensor([0, 2], dtype=torch.int32, device=dev)
     seg_slots = torch.zeros(1, dtype=torch.int32, device=dev)
     scaling = torch.ones(slots, dtype=torch.float32, device=dev)
     calls = []
-    for d_in, d_out, width, first in sorted(modules):
-        a = torch.zeros(slots, max_rank, d_in, dtype=shape.dtype, device=dev)
-        b = torch.zeros(slots, d_out, max_rank, dtype=shape.dtype, device=dev)
+    for d_in, bounds in projections:
+        modules, width = len(bounds) - 1, bounds[-1]
+        a = torch.zeros(slots, modules * max_rank, d_in, dtype=shape.dtype, device=dev)
+        b = torch.zeros(slots, width, max_rank, dtype=shape.dtype, device=dev)
         x = torch.zeros(2, d_in, dtype=shape.dtype, device=dev)
-        y = torch.zeros(2, width, dtype=shape.dtype, device=dev)[:, first : first + d_out]
-        buffer = torch.zeros(2, max_rank, dtype=shape.dtype, device=dev)
-        calls += [OpCall("lora_shrink", (x, a, scaling, rows, starts, seg_slots, buffer, 2)),
-                  OpCall("lora_expand", (buffer, b, rows, starts, seg_slots, y, 2)),
-                  OpCall("lora_shrink_rows", (x, a, scaling, rows, buffer)),
-                  OpCall("lora_expand_rows", (buffer, b, rows, y))]
+        y = torch.zeros(2, width, dtype=shape.dtype, device=dev)
+        buffer = torch.zeros(2, modules * max_rank, dtype=shape.dtype, device=dev)
+        partials = torch.zeros(lora_row_splits(d_in), 2, modules * max_rank, dtype=torch.float32, device=dev)
+        calls += [OpCall("lora_shrink", (x, a, scaling, rows, starts, seg_slots, buffer, 2, modules)),
+                  OpCall("lora_expand", (buffer, b, rows, starts, seg_slots, y, 2, bounds)),
+                  OpCall("lora_shrink_rows", (x, a, scaling, rows, partials, modules)),
+                  OpCall("lora_expand_rows", (partials, b, rows, y, bounds))]
     return calls
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
 from tritium.kernels.interface import KernelOps
+from tritium.kernels.tiles import lora_row_splits
 
 Segment = tuple[int, int, int]  # (slot, start, end) into LoraGroups.token_indices
 
@@ -117,30 +119,33 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a: torch
              scaling: torch.Tensor, kernels: KernelOps | None = None) -> None:
     """`y[t] += scaling[s] * (x[t] @ A[s]^T) @ B[s]^T` for every adapter row t of slot s. x: [T, in]; y: [T, out];
     lora_a: [slots, rank, in]; lora_b: [slots, out, rank]; scaling: [slots] float32; `kernels` None: torch."""
-    add_lora_fused(y, x, groups, lora_a, [(lora_b, 0, y.shape[1])], scaling, kernels)
+    if kernels is not None:
+        add_lora_segments(y, x, groups, lora_a, lora_b, None, scaling, kernels)
+        return
+    add_lora_fused(y, x, groups, lora_a, [(lora_b, 0, y.shape[1])], scaling)
+
+
+def add_lora_segments(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      bounds: Sequence[int] | None, scaling: torch.Tensor, kernels: KernelOps) -> None:
+    """`add_lora` of one fused projection's modules in the kernels' form, one shrink and one expand launch: module
+    m's A is `lora_a[:, m * rank : (m + 1) * rank]`, its B rows and y's columns `bounds[m]:bounds[m+1]` of
+    `lora_b` `[slots, out, rank]` (None: one module)."""
+    if not groups.segments:
+        return
+    starts, slots = groups.device_segments()
+    num_slices = len(bounds) - 1 if bounds is not None else 1
+    buffer = x.new_empty(groups.num_rows, lora_a.shape[1])
+    kernels.lora_shrink(x, lora_a, scaling, groups.token_indices, starts, slots, buffer, groups.max_rows, num_slices)
+    kernels.lora_expand(buffer, lora_b, groups.token_indices, starts, slots, y, groups.max_rows, bounds)
 
 
 def add_lora_fused(y: torch.Tensor, x: torch.Tensor, groups: LoraGroups, lora_a: torch.Tensor,
-                   slices: Sequence[LoraSlice | None], scaling: torch.Tensor, kernels: KernelOps | None = None
-                   ) -> None:
-    """`add_lora` for one fused projection's modules: module j's A is `lora_a[:, j * rank : (j + 1) * rank]`,
-    `slices[j]` its (B, start, end) column slice of `y` (None: skipped)."""
+                   slices: Sequence[LoraSlice | None], scaling: torch.Tensor) -> None:
+    """`add_lora` in torch for one fused projection's modules: module j's A is `lora_a[:, j * rank : (j + 1) *
+    rank]`, `slices[j]` its (B, start, end) column slice of `y` (None: skipped)."""
     if not groups.segments or not any(slices):
         return
-    rank = lora_a.shape[1] // len(slices)
-    if kernels is not None:
-        starts, slots = groups.device_segments()
-        for j, part in enumerate(slices):
-            if part is None:
-                continue
-            lora_b, start, end = part
-            buffer = x.new_empty(groups.num_rows, rank)
-            kernels.lora_shrink(x, lora_a[:, j * rank : (j + 1) * rank], scaling, groups.token_indices, starts, slots,
-                                buffer, groups.max_rows)
-            kernels.lora_expand(buffer, lora_b, groups.token_indices, starts, slots, y[:, start:end],
-                                groups.max_rows)
-        return
-    _add_lora_padded(y, x, groups.padded(x.shape[0]), lora_a, slices, rank, scaling)
+    _add_lora_padded(y, x, groups.padded(x.shape[0]), lora_a, slices, lora_a.shape[1] // len(slices), scaling)
 
 
 def _add_lora_padded(y: torch.Tensor, x: torch.Tensor, padded: PaddedSegments, lora_a: torch.Tensor,
@@ -169,16 +174,22 @@ def _add_lora_padded(y: torch.Tensor, x: torch.Tensor, padded: PaddedSegments, l
 
 
 def add_lora_rows(y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, lora_a: torch.Tensor,
-                  lora_b: torch.Tensor, scaling: torch.Tensor, kernels: KernelOps | None = None) -> None:
-    """`add_lora` with one slot per row on the device (-1: none). Reads no host value of the step, so a CUDA
-    graph may capture it."""
+                  lora_b: torch.Tensor, scaling: torch.Tensor, kernels: KernelOps | None = None,
+                  bounds: Sequence[int] | None = None) -> None:
+    """`add_lora_segments` with one slot per row on the device (-1: none): with kernels one split-K shrink and one
+    expand launch for all the projection's modules. Reads no host value of the step, so a CUDA graph may capture
+    it."""
+    edges = list(bounds) if bounds is not None else [0, y.shape[1]]
     if kernels is not None:
-        buffer = x.new_empty(row_slots.shape[0], lora_a.shape[1])
-        kernels.lora_shrink_rows(x, lora_a, scaling, row_slots, buffer)
-        kernels.lora_expand_rows(buffer, lora_b, row_slots, y)
+        partials = x.new_empty(lora_row_splits(x.shape[1]), row_slots.shape[0], lora_a.shape[1], dtype=torch.float32)
+        kernels.lora_shrink_rows(x, lora_a, scaling, row_slots, partials, len(edges) - 1)
+        kernels.lora_expand_rows(partials, lora_b, row_slots, y, bounds)
         return
     slots = row_slots.clamp(min=0).long()
-    buffer = torch.bmm(lora_a.index_select(0, slots), x.unsqueeze(-1)).squeeze(-1)
-    buffer = buffer * scaling.index_select(0, slots).to(x.dtype)[:, None]
-    delta = torch.bmm(lora_b.index_select(0, slots), buffer.unsqueeze(-1)).squeeze(-1)
-    y += torch.where((row_slots >= 0)[:, None], delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+    buffer = torch.bmm(lora_a.index_select(0, slots), x.unsqueeze(-1))
+    buffer = buffer * scaling.index_select(0, slots).to(x.dtype)[:, None, None]
+    active = (row_slots >= 0)[:, None]
+    rank = lora_b.shape[2]
+    for m, (lo, hi) in enumerate(pairwise(edges)):
+        delta = torch.bmm(lora_b[:, lo:hi].index_select(0, slots), buffer[:, m * rank : (m + 1) * rank]).squeeze(-1)
+        y[:, lo:hi] += torch.where(active, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritium.backend.lora.adapter import MODULES, LoraAdapter, module_shapes
-from tritium.backend.lora.ops import LoraGroups, LoraSlice, Segment, add_lora_fused, add_lora_rows
+from tritium.backend.lora.ops import LoraGroups, LoraSlice, Segment, add_lora_fused, add_lora_rows, add_lora_segments
 from tritium.backend.lora.windows import LoraWindows, add_lora_windows
 from tritium.backend.model_config import ModelConfig
 from tritium.kernels.cpu_lora import CpuLora
@@ -36,13 +36,18 @@ class LoraStacks:
         if b_rank_major:  # the torch form's expand is faster on a rank-major B^T
             self.b = [{m: torch.zeros(max_loras, max_rank, shapes[m][1], dtype=dtype, device=device).transpose(1, 2)
                        for m in MODULES} for _ in range(config.num_hidden_layers)]
-        else:  # the kernels read B with unit stride on the rank axis
-            self.b = [{m: torch.zeros(max_loras, shapes[m][1], max_rank, dtype=dtype, device=device) for m in MODULES}
-                      for _ in range(config.num_hidden_layers)]
+        else:  # the kernels read B with unit stride on the rank axis, a fused projection's modules one launch
+            self.b_fused = [{proj: torch.zeros(max_loras, sum(shapes[m][1] for m in parts), max_rank, dtype=dtype,
+                                               device=device) for proj, parts in FUSED.items()}
+                            for _ in range(config.num_hidden_layers)]
+            self.b = [{m: fused[proj][:, start:end] for proj, parts in FUSED.items()
+                       for m, start, end in _slices(shapes, parts)} for fused in self.b_fused]
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self.proj_targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self.slices = {fused: _slices(shapes, parts) for fused, parts in FUSED.items()}
+        # where each module's columns start in its fused output, and its end: the kernels' `bounds`
+        self.bounds = {proj: (0, *(end for _, _, end in slices)) for proj, slices in self.slices.items()}
         self.num_layers = config.num_hidden_layers
         # every module's slice of each projection, and B as the CPU kernel reads it: made once for decode steps
         self.full_slices: list[dict[str, list[LoraSlice | None]]] = [
@@ -51,6 +56,8 @@ class LoraStacks:
         self.b_rows: list[dict[str, list[torch.Tensor | None]]] | None = [
             {proj: [self.b[layer][m].transpose(1, 2) for m, _, _ in self.slices[proj]] for proj in FUSED}
             for layer in range(config.num_hidden_layers)] if b_rank_major else None
+
+    b_fused: list[dict[str, torch.Tensor]]  # (the kernels' layout) B of each fused projection, `b` its views
 
     @property
     def nbytes(self) -> int:
@@ -111,18 +118,23 @@ class LoraBatch:
                 return
         elif groups is None:
             assert self.row_slots is not None
+            if self.kernels is not None:
+                add_lora_rows(y, x, self.row_slots, stacks.a_fused[layer][proj], stacks.b_fused[layer][proj],
+                              stacks.scaling, self.kernels, stacks.bounds[proj])
+                return
             a, b = stacks.a[layer], stacks.b[layer]
             for module, start, end in stacks.slices[proj]:
-                add_lora_rows(y[:, start:end], x, self.row_slots, a[module], b[module], stacks.scaling, self.kernels)
+                add_lora_rows(y[:, start:end], x, self.row_slots, a[module], b[module], stacks.scaling)
+            return
+        if self.kernels is not None:  # the staged device segments, all of them, every module (zeros add nothing)
+            add_lora_segments(y, x, groups, stacks.a_fused[layer][proj], stacks.b_fused[layer][proj],
+                              stacks.bounds[proj], stacks.scaling, self.kernels)
             return
         key = (layer, proj)
         segments = [seg for seg in groups.segments if key in stacks.proj_targets[seg[0]]]
         if not segments:
             return
         slices = self._slices(layer, proj, [slot for slot, _, _ in segments])
-        if self.kernels is not None:  # the staged device segments, all of them (zeros add nothing)
-            add_lora_fused(y, x, groups, stacks.a_fused[layer][proj], slices, stacks.scaling, self.kernels)
-            return
         subset_key = tuple(segments)  # the same few subsets recur in every layer: their padded form is kept
         subset = self._subsets.get(subset_key)
         if subset is None:

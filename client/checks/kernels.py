@@ -11,8 +11,9 @@ kernels take `tiles`. Attention is compared with the reference computed in fp32 
 Fused MoE (kernels/fused_moe.py): 8 experts, top-2, at the layout's hidden and intermediate sizes (64 and 64 in
 smoke mode), silu without biases and swiglu_oai (gpt-oss) with them.
 
-LoRA (kernels/lora.py): the segmented shrink + expand over four adapters (rank 16, a q-sized slice of the fused
-qkv output) and the per-row form (a slot per row, some -1), against the references. `time_lora` (run by step 4,
+LoRA (kernels/lora.py): the segmented shrink + expand over four adapters (rank 16, q/k/v in one launch each, as
+the engine runs a fused projection) and the per-row form (a slot per row, some -1; split-K partial sums), against
+the references. `time_lora` (run by step 4,
 the kernel benchmark) times each form next to the base GEMM it sits beside (the module's `x @ W^T`).
 """
 
@@ -195,20 +196,20 @@ LORA_RANK = 16
 LORA_SLOTS = 4
 
 
+def _qkv_bounds(lay: Layout) -> tuple[int, int, int, int]:
+    q, kv = lay.heads * lay.head_dim, lay.kv_heads * lay.head_dim
+    return 0, q, q + kv, q + 2 * kv
+
+
 def _lora_inputs(lay: Layout, rows: int, dtype: torch.dtype, device: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """x [rows, hidden], A [4, 16, hidden], B [4, q, 16], scaling [4], and each row's slot (every fifth -1)."""
-    q = lay.heads * lay.head_dim
+    """x [rows, hidden], the fused q/k/v stacks A [4, 3 * 16, hidden] and B [4, q + 2 kv, 16], scaling [4], and each
+    row's slot (every fifth -1)."""
     x = torch.randn(rows, lay.hidden, device=device).to(dtype)
-    a = (torch.randn(LORA_SLOTS, LORA_RANK, lay.hidden, device=device) * lay.hidden**-0.5).to(dtype)
-    b = (torch.randn(LORA_SLOTS, q, LORA_RANK, device=device) * 0.25).to(dtype)
+    a = (torch.randn(LORA_SLOTS, 3 * LORA_RANK, lay.hidden, device=device) * lay.hidden**-0.5).to(dtype)
+    b = (torch.randn(LORA_SLOTS, _qkv_bounds(lay)[-1], LORA_RANK, device=device) * 0.25).to(dtype)
     scaling = torch.linspace(0.5, 2.0, LORA_SLOTS, device=device)
     return x, a, b, scaling, [-1 if t % 5 == 4 else t % LORA_SLOTS for t in range(rows)]
-
-
-def _fused_q(lay: Layout, rows: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A fused qkv output [rows, q + 2 kv] (its q slice is a strided view)."""
-    return torch.randn(rows, (lay.heads + 2 * lay.kv_heads) * lay.head_dim, device=device).to(dtype)
 
 
 def _lora_segmented(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype,
@@ -222,36 +223,38 @@ def _lora_segmented(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.
     starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
     slots_t = torch.tensor(seg_slots, dtype=torch.int32, device=device)
     max_rows = max(end - start for _, start, end in segments)
-    got_buf = torch.empty(len(order), LORA_RANK, dtype=dtype, device=device)
+    got_buf = torch.empty(len(order), 3 * LORA_RANK, dtype=dtype, device=device)
     want_buf = torch.empty_like(got_buf)
-    tri.lora_shrink(x, a, scaling, rows, starts_t, slots_t, got_buf, max_rows, **tile_kwargs(tri.lora_shrink))
-    ref.lora_shrink(x, a, scaling, rows, starts_t, slots_t, want_buf, max_rows)
+    tri.lora_shrink(x, a, scaling, rows, starts_t, slots_t, got_buf, max_rows, 3, **tile_kwargs(tri.lora_shrink))
+    ref.lora_shrink(x, a, scaling, rows, starts_t, slots_t, want_buf, max_rows, 3)
     err_buf, ok_buf = _compare(got_buf, want_buf, dtype)
-    fused = _fused_q(lay, sizes.tokens, dtype, device)
-    want = fused.clone()
-    q = lay.heads * lay.head_dim
-    tri.lora_expand(want_buf, b, rows, starts_t, slots_t, fused[:, :q], max_rows, **tile_kwargs(tri.lora_expand))
-    ref.lora_expand(want_buf, b, rows, starts_t, slots_t, want[:, :q], max_rows)
-    err, ok = _compare(fused, want, dtype)
+    bounds = _qkv_bounds(lay)
+    got = torch.randn(sizes.tokens, bounds[-1], device=device).to(dtype)
+    want = got.clone()
+    tri.lora_expand(want_buf, b, rows, starts_t, slots_t, got, max_rows, bounds, **tile_kwargs(tri.lora_expand))
+    ref.lora_expand(want_buf, b, rows, starts_t, slots_t, want, max_rows, bounds)
+    err, ok = _compare(got, want, dtype)
     return max(err_buf, err), ok_buf and ok
 
 
 def _lora_rows(tri: Any, ref: Any, lay: Layout, sizes: Sizes, dtype: torch.dtype,
                device: str) -> tuple[float, bool]:
+    from tritium.kernels.tiles import lora_row_splits
+
     rows = len(sizes.decode_contexts) * 8  # a decode batch
     x, a, b, scaling, slots = _lora_inputs(lay, rows, dtype, device)
     row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
-    got_buf = torch.zeros(rows, LORA_RANK, dtype=dtype, device=device)
-    want_buf = torch.zeros_like(got_buf)
-    tri.lora_shrink_rows(x, a, scaling, row_slots, got_buf, **tile_kwargs(tri.lora_shrink_rows))
-    ref.lora_shrink_rows(x, a, scaling, row_slots, want_buf)
-    err_buf, ok_buf = _compare(got_buf, want_buf, dtype)
-    fused = _fused_q(lay, rows, dtype, device)
-    want = fused.clone()
-    q = lay.heads * lay.head_dim
-    tri.lora_expand_rows(want_buf, b, row_slots, fused[:, :q], **tile_kwargs(tri.lora_expand_rows))
-    ref.lora_expand_rows(want_buf, b, row_slots, want[:, :q])
-    err, ok = _compare(fused, want, dtype)
+    got_parts = torch.zeros(lora_row_splits(lay.hidden), rows, 3 * LORA_RANK, device=device)
+    want_parts = torch.zeros_like(got_parts)
+    tri.lora_shrink_rows(x, a, scaling, row_slots, got_parts, 3, **tile_kwargs(tri.lora_shrink_rows))
+    ref.lora_shrink_rows(x, a, scaling, row_slots, want_parts, 3)
+    err_buf, ok_buf = _compare(got_parts.sum(0), want_parts.sum(0), torch.float32)
+    bounds = _qkv_bounds(lay)
+    got = torch.randn(rows, bounds[-1], device=device).to(dtype)
+    want = got.clone()
+    tri.lora_expand_rows(got_parts, b, row_slots, got, bounds, **tile_kwargs(tri.lora_expand_rows))
+    ref.lora_expand_rows(got_parts, b, row_slots, want, bounds)
+    err, ok = _compare(got, want, dtype)
     return max(err_buf, err), ok_buf and ok
 
 
@@ -316,11 +319,11 @@ class LoraTiming:
 
 
 def time_lora(smoke: bool) -> dict[str, Any]:
-    """Step 4's LoRA figures: for the q_proj (hidden -> q) and down_proj (intermediate -> hidden) of each layout,
-    the per-row form at decode batches and the segmented form at a prefill size (rows spread over four rank-16
-    adapters, every fifth row base), in bf16 on CUDA (fp32 under the interpreter when `smoke`), each next to its
-    base GEMM. Returns {"timings": [...], "max_ratio": ...}."""
-    from tritium.backend.lora.ops import LoraGroups, add_lora, add_lora_rows, lora_groups
+    """Step 4's LoRA figures: for the qkv_proj (hidden -> q, k, v in one launch) and down_proj (intermediate ->
+    hidden) of each layout, the per-row form at decode batches and the segmented form at a prefill size (rows spread
+    over four rank-16 adapters, every fifth row base), in bf16 on CUDA (fp32 under the interpreter when `smoke`),
+    each next to its base GEMM. Returns {"timings": [...], "max_ratio": ...}."""
+    from tritium.backend.lora.ops import LoraGroups, add_lora_rows, add_lora_segments, lora_groups
     from tritium.kernels import triton_ops as tri
 
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
@@ -329,9 +332,10 @@ def time_lora(smoke: bool) -> dict[str, Any]:
     tiles = {"tiles": "gpu"} if smoke else {}
     timings: list[LoraTiming] = []
     for lay in layouts:
-        q = lay.heads * lay.head_dim
-        for module, d_in, d_out in (("q_proj", lay.hidden, q), ("down_proj", lay.intermediate, lay.hidden)):
-            a = torch.randn(LORA_SLOTS, LORA_RANK, d_in, device=device).to(dtype)
+        for module, d_in, bounds in (("qkv_proj", lay.hidden, _qkv_bounds(lay)),
+                                     ("down_proj", lay.intermediate, (0, lay.hidden))):
+            d_out = bounds[-1]
+            a = torch.randn(LORA_SLOTS, (len(bounds) - 1) * LORA_RANK, d_in, device=device).to(dtype)
             b = torch.randn(LORA_SLOTS, d_out, LORA_RANK, device=device).to(dtype)
             w = torch.randn(d_out, d_in, device=device).to(dtype)
             scaling = torch.ones(LORA_SLOTS, device=device)
@@ -346,15 +350,17 @@ def time_lora(smoke: bool) -> dict[str, Any]:
                     form = "segmented"
 
                     def lora(groups: LoraGroups = groups, x: torch.Tensor = x, y: torch.Tensor = y,
-                             a: torch.Tensor = a, b: torch.Tensor = b, s: torch.Tensor = scaling) -> None:
-                        add_lora(y, x, groups, a, b, s, _Tiled(tri, tiles))
+                             a: torch.Tensor = a, b: torch.Tensor = b, s: torch.Tensor = scaling,
+                             bounds: tuple[int, ...] = bounds) -> None:
+                        add_lora_segments(y, x, groups, a, b, bounds, s, _Tiled(tri, tiles))
                 else:
                     row_slots = torch.tensor(slots, dtype=torch.int32, device=device)
                     form = "rows"
 
                     def lora(row_slots: torch.Tensor = row_slots, x: torch.Tensor = x, y: torch.Tensor = y,
-                             a: torch.Tensor = a, b: torch.Tensor = b, s: torch.Tensor = scaling) -> None:
-                        add_lora_rows(y, x, row_slots, a, b, s, _Tiled(tri, tiles))
+                             a: torch.Tensor = a, b: torch.Tensor = b, s: torch.Tensor = scaling,
+                             bounds: tuple[int, ...] = bounds) -> None:
+                        add_lora_rows(y, x, row_slots, a, b, s, _Tiled(tri, tiles), bounds)
                 timings.append(LoraTiming(lay.name, module, form, rows, kernel_ms(lora, smoke),
                                           kernel_ms(lambda x=x, w=w: x @ w.t(), smoke)))
     if device == "cuda":

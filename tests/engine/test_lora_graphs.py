@@ -113,3 +113,47 @@ def test_a_lora_engine_serves_only_kernel_variants_its_warm_up_launched(
     assert {v.kernel for v in lora} == {"lora_shrink_kernel", "lora_expand_kernel", "lora_shrink_rows_kernel",
                                         "lora_expand_rows_kernel"}
     assert lora <= warmed, sorted({(v.kernel, v.equal_to_1, v.divisible_by_16) for v in lora - warmed})
+
+
+@pytest.mark.slow  # the default model through many steps: CI's full run, not the inner loop
+def test_a_lora_decode_step_launches_two_lora_kernels_per_projection_and_fetches_once(
+        make_llm: Callable[..., LLM], one_layer: tuple[Path, dict[str, str]]) -> None:
+    """The CPU stand-in of a GPU LoRA decode step (triton backend, graph path): per layer one shrink and one expand
+    per fused projection (q/k/v, o, gate/up, down: 8; one launch per module took 14), and one host fetch per step,
+    the sampler's (launches are attributed to kernels/, where the interpreter reads tensors a GPU would not)."""
+    from tritium.kernels.compile_check import recording
+
+    from support.host_transfers import counting_host_transfers
+
+    path, modules = one_layer
+    llm = make_llm(str(path), enable_lora=True, lora_modules=modules, kv_cache_bytes=1 << 20, max_num_seqs=4,
+                   attention_backend="triton", enforce_eager=False)
+    worker, runner = llm.engine.worker, llm.engine.worker.runner
+    steps: list[tuple[bool, list[str], list[str]]] = []  # (a LoRA decode graph?, its launches, its host fetches)
+    step, run = worker.execute, runner.graphs.run
+    lora_step = [False]
+
+    def recording_run(bucket: int, forward: Callable[[], torch.Tensor], lora: bool = False) -> torch.Tensor:
+        lora_step[0] = lora
+        return run(bucket, forward, lora=lora)
+
+    def counted_step(*args: object, **kwargs: object) -> object:
+        lora_step[0] = False
+        with recording(run=True) as launches, counting_host_transfers() as found:
+            out = step(*args, **kwargs)
+        names = [launch.kernel.fn.__name__ if hasattr(launch.kernel, "fn") else launch.kernel.__name__
+                 for launch in launches]
+        steps.append((lora_step[0], names, [f for f in found if " at kernels/" not in f]))
+        return out
+
+    runner.graphs.run = recording_run
+    worker.execute = counted_step
+    llm.generate(PROMPTS, GREEDY, lora_name=NAMES)
+    decode = [(names, fetches) for lora, names, fetches in steps if lora]
+    assert decode
+    layers = ModelConfig.from_folder(path).num_hidden_layers
+    for names, fetches in decode:
+        lora_launches = [n for n in names if n.startswith("lora_")]
+        assert len(lora_launches) == 8 * layers, lora_launches
+        assert lora_launches.count("lora_shrink_rows_kernel") == 4 * layers
+        assert len(fetches) == 1 and fetches[0].startswith("tolist at backend/sample/sampler.py"), fetches
