@@ -1,5 +1,6 @@
-"""Decode steps as CUDA graphs per batch-size bucket, with LoRA a second one each (docs/architecture.md, "The
-engine step", also why mixed steps run eagerly, and "LoRA"). On a CPU the same padded steps run uncaptured."""
+"""Decode steps as CUDA graphs per batch-size bucket, with LoRA a second one each, and with speculative decoding
+verification steps per bucket and width (1 + drafts per row) (docs/architecture.md, "The engine step", also why
+mixed steps run eagerly, "LoRA" and "Speculative decoding"). On a CPU the same padded steps run uncaptured."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from tritium.backend.config import EngineConfig, SpeculativeConfig
 
 Forward = Callable[[], torch.Tensor]
 
@@ -18,6 +21,11 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     buckets.update(range(8, max_num_seqs + 1, 8))
     buckets.add(max_num_seqs)
     return sorted(buckets)
+
+
+def verify_widths(num_speculative_tokens: int) -> list[int]:
+    """The query widths of verification graphs: 2 (one draft) up to 1 + the most drafts a row may carry."""
+    return list(range(2, num_speculative_tokens + 2))
 
 
 def use_decode_graphs(device_type: str, attention_backend: str, enforce_eager: bool | None) -> tuple[bool, str]:
@@ -59,13 +67,20 @@ class GraphCapture:
         return graph.replay, out
 
 
-class DecodeGraphs:
-    """The decode buckets and, on CUDA, their graphs (`capture` None: built for `device`)."""
+GraphKey = tuple[int, int, bool]  # (bucket, width, lora): width 1 for decode steps
 
-    def __init__(self, buckets: list[int], device: torch.device, capture: GraphCapture | None = None) -> None:
+
+class DecodeGraphs:
+    """The decode buckets and, on CUDA, their graphs (`capture` None: built for `device`). `widths`: the
+    verification widths (verify_widths) captured per bucket whose padded rows (bucket x width) fit `max_tokens`."""
+
+    def __init__(self, buckets: list[int], device: torch.device, capture: GraphCapture | None = None,
+                 widths: list[int] | None = None, max_tokens: int = 0) -> None:
         self.buckets = sorted(buckets)
         self.device = device
-        self._graphs: dict[tuple[int, bool], tuple[Callable[[], None], torch.Tensor]] = {}  # (bucket, lora)
+        self.widths = sorted(widths or []) if buckets else []
+        self.max_tokens = max_tokens
+        self._graphs: dict[GraphKey, tuple[Callable[[], None], torch.Tensor]] = {}
         if capture is None and device.type == "cuda" and buckets:
             capture = GraphCapture(device)
         self._capture = capture
@@ -75,21 +90,42 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if num_seqs and i < len(self.buckets) else None
 
-    def capture(self, bucket: int, forward: Forward, lora: bool = False) -> None:
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """Every (bucket, width) a verification step may pad to, largest buckets first."""
+        return [(b, w) for b in reversed(self.buckets) for w in self.widths if b * w <= self.max_tokens]
+
+    def verify_shape_for(self, num_seqs: int, width: int) -> tuple[int, int] | None:
+        """The (bucket, width) a verification step of `num_seqs` rows of at most `width` tokens pads to; None: run
+        it eagerly (no such width, or too many padded rows)."""
+        bucket = self.bucket_for(num_seqs)
+        i = bisect.bisect_left(self.widths, width)
+        if bucket is None or i == len(self.widths) or bucket * self.widths[i] > self.max_tokens:
+            return None
+        return bucket, self.widths[i]
+
+    def capture(self, bucket: int, forward: Forward, lora: bool = False, width: int = 1) -> None:
         """Run `forward` once (compiling its kernels), then capture it where graphs are captured."""
         if self._capture is None:
             forward()
             return
-        self._graphs[(bucket, lora)] = self._capture.capture(forward)
+        self._graphs[(bucket, width, lora)] = self._capture.capture(forward)
 
-    def captured(self) -> list[tuple[int, bool]]:
+    def captured(self) -> list[GraphKey]:
         return sorted(self._graphs)
 
-    def run(self, bucket: int, forward: Forward, lora: bool = False) -> torch.Tensor:
+    def run(self, bucket: int, forward: Forward, lora: bool = False, width: int = 1) -> torch.Tensor:
         """The hidden states of the bucket's padded rows: a replay where captured, else `forward()`."""
-        captured = self._graphs.get((bucket, lora))
+        captured = self._graphs.get((bucket, width, lora))
         if captured is None:
             return forward()
         replay, out = captured
         replay()
         return out
+
+
+def engine_graphs(config: EngineConfig, buckets: list[int], device: torch.device) -> DecodeGraphs:
+    """An engine's graphs: the decode `buckets` and, with speculative decoding, their verification widths up to the
+    step token budget."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    widths = verify_widths(spec.num_speculative_tokens) if spec is not None else []
+    return DecodeGraphs(buckets, device, widths=widths, max_tokens=config.max_num_batched_tokens)

@@ -121,6 +121,7 @@ class PreparedStep:
     update_index: slice
     update_value: slice
     bucket: int | None = None  # the decode graph this step replays
+    width: int = 1  # tokens per row of that graph: 1 + drafts for a verification graph
     lora_rows: slice | None = None  # the adapter rows sorted by slot (ops.lora_groups); None when there are none
     lora_segments: list[Segment] = field(default_factory=list)  # (slot, start, end) into lora_rows
     lora_seg_starts: slice | None = None  # the segments staged for the kernels: starts (end appended), slots
@@ -176,6 +177,9 @@ class ModelRunner:
     def prepare(self, batch: list[ScheduledSequence], prefill_only: bool = False) -> PreparedStep:
         """Stage the step's inputs (decode rows first) in the buffer the caller began and uploads after.
         `prefill_only`: every sequence a prefill chunk in batch order, one-token ones too (embeddings)."""
+        verify = None if prefill_only else self._verify_shape(batch)
+        if verify is not None:
+            return self._prepare_verify(batch, *verify)
         bs = self.block_size
         tables = self.block_tables
         host = HostStep()
@@ -226,6 +230,52 @@ class ModelRunner:
             host.lora_slots.clear()  # a base-only step stages no LoRA rows and may replay a graph
         return self._stage(host, bucket)
 
+    def _verify_shape(self, batch: list[ScheduledSequence]) -> tuple[int, int] | None:
+        """The verification graph's (bucket, width) of a step whose rows are all one token plus drafts (at least one
+        row drafting); None when it has a prefill chunk, a length-dependent rotary, or no graph fits it."""
+        if self.rope is not None or not any(s.draft for s in batch) \
+                or any(s.num_new_tokens != 1 + len(s.draft) for s in batch):
+            return None
+        shape = self.graphs.verify_shape_for(len(batch), max(s.num_new_tokens for s in batch))
+        if shape is None or any(s.seq.num_computed_tokens + shape[1] > self.max_model_len for s in batch):
+            return None  # a padded row's positions must stay inside the rotary table and its block-table row
+        return shape
+
+    def _prepare_verify(self, batch: list[ScheduledSequence], bucket: int, width: int) -> PreparedStep:
+        """A verification step padded to `bucket` rows of `width` tokens each, as prefill rows of one query length:
+        a row's padding tokens follow its drafts (id 0, writing nothing; no real token attends to them) and padding
+        rows sit on the zero table row."""
+        bs, tables = self.block_size, self.block_tables
+        host = HostStep(prefill_width=tables.width)
+        for i, s in enumerate(batch):
+            seq, start, real = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            host.input_ids += [seq.token_ids[start], *s.draft] + [0] * (width - real)
+            host.positions += range(start, start + width)
+            host.slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + real)]
+            host.slots += [-1] * (width - real)
+            host.prefill_rows.append(tables.row(seq))
+            host.prefill_seq_lens.append(start + width)
+            host.logit_rows += range(i * width, i * width + real)
+            if self.lora_stacks is not None:
+                host.lora_slots += [seq.lora_slot] * width
+        self._pad_verify(host, bucket - len(batch), width, lora=self.lora_stacks is not None)
+        host.update_index, host.update_value = tables.take_updates()
+        if not any(slot >= 0 for slot in host.lora_slots):
+            host.lora_slots.clear()
+        return self._stage(host, bucket, width)
+
+    def _pad_verify(self, host: HostStep, rows: int, width: int, lora: bool) -> None:
+        """`rows` padding rows of `width` tokens (on the zero table row, writing nothing, of no adapter), and the
+        query offsets."""
+        host.input_ids += [0] * (rows * width)
+        host.positions += list(range(width)) * rows
+        host.slots += [-1] * (rows * width)
+        host.prefill_rows += [self.block_tables.padding_row] * rows
+        host.prefill_seq_lens += [width] * rows
+        if lora:
+            host.lora_slots += [-1] * (rows * width)
+        host.prefill_cu_seqlens = list(range(0, len(host.input_ids) + 1, width))
+
     def _windowed(self, decode: list[ScheduledSequence], host: HostStep) -> list[ScheduledSequence]:
         """The decode rows in lora/windows.py's order, their windows kept in `host` (as they are when none fit)."""
         plan = plan_windows([s.seq.lora_slot for s in decode], packed=self.cpu_lora is not None)
@@ -234,16 +284,17 @@ class ModelRunner:
         order, host.lora_windows = plan
         return [decode[i] for i in order]
 
-    def _stage(self, host: HostStep, bucket: int | None) -> PreparedStep:
-        """Decode sections are padded to `bucket`: padding rows write nothing and attend to the zero table row."""
+    def _stage(self, host: HostStep, bucket: int | None, query_width: int = 1) -> PreparedStep:
+        """Decode sections are padded to `bucket`: padding rows write nothing and attend to the zero table row. A
+        verification step (`query_width` > 1) comes padded already."""
         st, tables = self.staging, self.block_tables
         for name, width in (("decode", host.decode_width), ("prefill", host.prefill_width)):
             if width > tables.width:  # the table slice would silently give fewer columns than the kernels read
                 raise RuntimeError(f"a step's {name} rows need {width} block-table columns; a row has {tables.width} "
                                  f"(max_model_len {self.max_model_len} / block_size {self.block_size})")
-        pad = bucket or 0
+        pad = (bucket or 0) if query_width == 1 else 0
         cu = host.prefill_cu_seqlens
-        # a LoRA decode graph's row slots go first: the same offsets for each step of its bucket
+        # a LoRA graph's row slots go first: the same offsets for each step of its bucket
         row_slots = st.put(host.lora_slots, pad, fill=-1) if host.lora_slots and bucket is not None else None
         step = PreparedStep(
             num_tokens=max(len(host.input_ids), pad),
@@ -253,7 +304,7 @@ class ModelRunner:
             num_decode=max(len(host.decode_rows), pad),
             decode_rows=st.put(host.decode_rows, pad, fill=tables.padding_row),
             decode_seq_lens=st.put(host.decode_seq_lens, pad, fill=1),
-            decode_width=tables.width if bucket is not None else host.decode_width,
+            decode_width=tables.width if pad else host.decode_width,
             prefill_rows=st.put(host.prefill_rows),
             prefill_cu_seqlens=st.put(cu),
             prefill_seq_lens=st.put(host.prefill_seq_lens),
@@ -264,6 +315,7 @@ class ModelRunner:
             update_index=st.put(host.update_index),
             update_value=st.put(host.update_value),
             bucket=bucket,
+            width=query_width,
         )
         step.lora_row_slots = row_slots
         step.lora_windows = host.lora_windows
@@ -321,7 +373,8 @@ class ModelRunner:
             assert self.rope is not None
             self.rope.fill(step.rope_chunks)
         if step.bucket is not None:
-            hidden = self.graphs.run(step.bucket, lambda: self.forward(step), lora=step.lora_row_slots is not None)
+            hidden = self.graphs.run(step.bucket, lambda: self.forward(step), lora=step.lora_row_slots is not None,
+                                     width=step.width)
         else:
             hidden = self.forward(step)
         if step.num_logit_rows == 0:
@@ -365,6 +418,10 @@ class ModelRunner:
             if self.lora_stacks is not None:  # the bucket's LoRA graph: padding rows of no adapter (slot -1)
                 step = self._dummy_step(num_decode=0, prefill=[], bucket=bucket, lora=True)
                 self.graphs.capture(bucket, partial(self.forward, step), lora=True)
+        for bucket, width in self.graphs.verify_shapes():
+            for lora in (False, True) if self.lora_stacks is not None else (False,):
+                step = self._dummy_verify_step(bucket, width, lora)
+                self.graphs.capture(bucket, partial(self.forward, step), lora=lora, width=width)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -384,5 +441,15 @@ class ModelRunner:
         )
         self.staging.begin()
         step = self._stage(host, bucket)
+        self.staging.upload()
+        return step
+
+    def _dummy_verify_step(self, bucket: int, width: int, lora: bool) -> PreparedStep:
+        """A staged, uploaded verification step of padding rows only, laid out as `_prepare_verify` lays one."""
+        host = HostStep(prefill_width=self.block_tables.width)
+        self._pad_verify(host, bucket, width, lora)
+        host.logit_rows = [0]
+        self.staging.begin()
+        step = self._stage(host, bucket, width)
         self.staging.upload()
         return step

@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import TCPStore
 from tritium.backend.config import EngineConfig
 from tritium.backend.layers.attention import get_attention_backend
 from tritium.backend.models.loader import load_model
-from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets, use_decode_graphs
+from tritium.backend.worker.decode_graphs import engine_graphs, graph_buckets, use_decode_graphs
 from tritium.backend.worker.device import use_device
 from tritium.backend.worker.kv_sizing import num_kv_blocks
 from tritium.backend.worker.model_runner import ModelRunner, PreparedStep, logit_rows, staging_capacity
@@ -79,7 +79,7 @@ def _build(config: EngineConfig, model_path: Path, rank: int, store_port: int) -
     num_blocks = group.min_int(sizing.num_blocks)  # rank 0 also holds the draft model and adapters
     staging = StagingBuffer(staging_capacity(config, max_model_len), device)
     runner = ModelRunner(model, backend, num_blocks, config.block_size, dtype, device, config.max_num_seqs,
-                         max_model_len, staging, DecodeGraphs(buckets, device))
+                         max_model_len, staging, engine_graphs(config, buckets, device))
     runner.warm_up(config.max_num_batched_tokens)
     return runner
 

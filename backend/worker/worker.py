@@ -26,7 +26,7 @@ from tritium.backend.spec.proposer import DraftProposer
 from tritium.backend.spec.verify import Verified, accept_runs, position_views
 from tritium.backend.structured_output.compiler import GrammarCompiler
 from tritium.backend.structured_output.decoding import StructuredDecoding
-from tritium.backend.worker.decode_graphs import DecodeGraphs, graph_buckets, use_decode_graphs
+from tritium.backend.worker.decode_graphs import engine_graphs, graph_buckets, use_decode_graphs
 from tritium.backend.worker.device import set_up_device, use_device
 from tritium.backend.worker.kv_sizing import num_kv_blocks
 from tritium.backend.worker.memory_budget import MemoryPlan, module_bytes
@@ -137,7 +137,7 @@ class Worker:
         self.device = device
         self.staging = StagingBuffer(staging_capacity(config, max_model_len), device)
         self.runner = ModelRunner(model, model_backend, num_blocks, config.block_size, dtype, device, seqs,
-                                  max_model_len, self.staging, DecodeGraphs(buckets, device), stacks)
+                                  max_model_len, self.staging, engine_graphs(config, buckets, device), stacks)
         self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=device)
         self.structured = StructuredDecoding(grammars, device, rows)  # a mask per verified position too
         self.proposer: DraftProposer | None = None

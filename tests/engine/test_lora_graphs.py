@@ -35,7 +35,7 @@ def test_each_bucket_keeps_a_lora_graph_beside_the_base_one() -> None:
     for bucket in (4, 2):
         graphs.capture(bucket, lambda b=bucket: torch.full((b,), 1.0))
         graphs.capture(bucket, lambda b=bucket: torch.full((b,), 2.0), lora=True)
-    assert graphs.captured() == [(2, False), (2, True), (4, False), (4, True)]
+    assert graphs.captured() == [(2, 1, False), (2, 1, True), (4, 1, False), (4, 1, True)]
     assert graphs.run(4, lambda: torch.zeros(1)).tolist() == [1.0] * 4
     assert graphs.run(4, lambda: torch.zeros(1), lora=True).tolist() == [2.0] * 4
 
@@ -62,9 +62,10 @@ def generate(make_llm: Callable[..., LLM], one_layer: tuple[Path, dict[str, str]
     seen: list[tuple[bool, list[int]]] = []
     run = runner.graphs.run
 
-    def recording_run(bucket: int, forward: Callable[[], torch.Tensor], lora: bool = False) -> torch.Tensor:
+    def recording_run(bucket: int, forward: Callable[[], torch.Tensor], lora: bool = False,
+                      width: int = 1) -> torch.Tensor:
         seen.append((lora, runner.staging.device_buffer[:bucket].tolist() if lora else []))
-        return run(bucket, forward, lora=lora)
+        return run(bucket, forward, lora=lora, width=width)
 
     runner.graphs.run = recording_run
     outputs = llm.generate(PROMPTS, GREEDY, lora_name=NAMES)
@@ -133,9 +134,10 @@ def test_a_lora_decode_step_launches_two_lora_kernels_per_projection_and_fetches
     step, run = worker.execute, runner.graphs.run
     lora_step = [False]
 
-    def recording_run(bucket: int, forward: Callable[[], torch.Tensor], lora: bool = False) -> torch.Tensor:
+    def recording_run(bucket: int, forward: Callable[[], torch.Tensor], lora: bool = False,
+                      width: int = 1) -> torch.Tensor:
         lora_step[0] = lora
-        return run(bucket, forward, lora=lora)
+        return run(bucket, forward, lora=lora, width=width)
 
     def counted_step(*args: object, **kwargs: object) -> object:
         lora_step[0] = False

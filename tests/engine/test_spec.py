@@ -133,14 +133,26 @@ def test_preemption_and_prefix_hits_are_greedy_identical(make_llm: Callable[...,
 @pytest.mark.slow  # the default model through many steps: CI's full run, not the inner loop
 def test_decode_graph_path_with_speculation_is_greedy_identical(make_llm: Callable[..., LLM],
                                                                  engines: tuple[LLM, LLM]) -> None:
+    """Verification steps (every row one token plus its drafts, some none) run as their bucket's verification
+    graph, padded to a width of 1 + the most drafts (on a CPU: the same padded step, run uncaptured)."""
     base, _ = engines
     graphs = make_llm(None, kv_cache_bytes=32 << 20, max_model_len=512, enforce_eager=False,
                       speculative_config=NGRAM)
+    runner = graphs.engine.worker.runner
+    assert runner.graphs.widths == [2, 3, 4, 5]
+    run, shapes = runner.graphs.run, []
+
+    def recording_run(bucket: int, forward: Callable[[], object], lora: bool = False, width: int = 1) -> object:
+        shapes.append((bucket, width))
+        return run(bucket, forward, lora=lora, width=width)
+
+    runner.graphs.run = recording_run
     prompts = [REPEAT, "Once upon a time,", COUNT]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     b = graphs.generate(prompts, params)
     same(base.generate(prompts, params), b)
     assert drafted(b)[1] > 0
+    assert {w for _, w in shapes} - {1} and {b for b, _ in shapes} <= {1, 2, 4}, shapes
 
 
 def test_abort_while_speculating_frees_everything(engines: tuple[LLM, LLM]) -> None:
