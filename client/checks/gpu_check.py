@@ -11,6 +11,8 @@ Steps, each timed and reported pass / fail / skip with its figures (a failed ste
                             LoRA shrink + expand next to the base GEMM they sit beside (checks/kernels.py);
                             the fused MoE kernel's tile sweep, its winners printed for kernels/moe_configs.py
   5  offline throughput     tritium next to transformers on the default model (bench/offline.py)
+  3d LoRA and n-gram steps  a LoRA r16 decode step at batch 1 against the base step, n-gram speculation against
+                            plain decoding at batch 64, syncs per step watched (checks/decode_features.py)
 then the goal verdicts. gpu_check.json and gpu_check.png in --out are rewritten after every step (a run cut
 short leaves what it did, the rest reported "not run"); a one-screen summary is printed at the end.
 
@@ -80,7 +82,7 @@ class Step:
     engine: str | None = None
 
 
-STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "4", "5", "2c", "2d")  # in the order they run
+STEP_NUMBERS = ("1", "2", "3", "3b", "2b", "3c", "4", "5", "3d", "2c", "2d")  # in the order they run
 
 
 def check_kernel_bench(smoke: bool) -> Outcome:
@@ -295,6 +297,7 @@ def run_gpu_check(out_dir: str = DEFAULT_OUT, smoke: bool = False, options: Opti
 
 
 def _run(opts: Options, selected: list[str], work: Path) -> dict[str, Any]:
+    from tritium.client.checks.decode_features import check_decode_features
     from tritium.client.checks.engine import SharedEngine, check_parity, check_step_timing, check_sync_free_decode
     from tritium.client.checks.kernels import check_kernels
     from tritium.client.checks.models import CheckModels
@@ -324,6 +327,8 @@ def _run(opts: Options, selected: list[str], work: Path) -> dict[str, Any]:
              "wide"),
         Step("4", "kernel_bench", "kernel benchmark", lambda: check_kernel_bench(smoke)),
         Step("5", "throughput", "offline throughput", lambda: check_throughput(smoke, models.default())),
+        Step("3d", "decode_features", "LoRA and n-gram decode steps",
+             lambda: check_decode_features(smoke, models.default())),
         Step("2c", "parity_qwen3", "parity, Qwen3 hd128", lambda: check_parity(engine("qwen3"), smoke), "qwen3"),
         Step("2d", "parity_gemma3", "parity, Gemma 3 hd256", lambda: check_parity(engine("gemma3"), smoke), "gemma3"),
     ]

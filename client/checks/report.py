@@ -16,6 +16,8 @@ PREFILL_GOAL_MIN_TOKENS = 2048
 DECODE_GOAL_COPY_FRACTION = 0.7
 DECODE_GOAL_PEAK_FRACTION = DECODE_GOAL_COPY_FRACTION  # the PNG's goal line (drawn against the peak until it moves)
 DECODE_GOAL_BATCH, DECODE_GOAL_CONTEXT = 64, 4096
+LORA_GOAL_OVERHEAD = 0.15  # step 3d: what a rank-16 adapter may add to a batch-1 decode step
+NGRAM_GOAL_RATIO = 0.97  # step 3d: n-gram speculation's tokens/s over plain decoding's (timing noise allowed)
 
 
 @dataclass
@@ -63,6 +65,11 @@ def goal_verdicts(steps: dict[str, StepResult]) -> list[Goal]:
     host = timing.figures.get("host_ms_per_step") if timing else None
     gpu = timing.figures.get("gpu_ms_per_step") if timing else None
     int8_met, int8_measured, int8_detail = int8_goal(bench.figures.get("int8_gemm", {}) if bench else {})
+    features = steps.get("decode_features")
+    features = None if features is None or features.figures.get("smoke", True) else features
+    lora = features.figures.get("lora") if features else None
+    ngram = features.figures.get("ngram") if features else None
+    ngram_ratios = [ngram[w]["ratio"] for w in ("repeating", "random")] if ngram else []
     return [
         Goal(f"prefill >= {PREFILL_GOAL_RATIO}x SDPA flash TFLOP/s at {PREFILL_GOAL_MIN_TOKENS // 1024}k+ tokens",
              _verdict(bool(ratios) and min(ratios) >= PREFILL_GOAL_RATIO, bool(ratios)),
@@ -78,6 +85,12 @@ def goal_verdicts(steps: dict[str, StepResult]) -> list[Goal]:
              else "not measured"),
         Goal(f"int8 GEMM >= {INT8_GOAL_SPEEDUP}x bf16 at <= {INT8_GOAL_MAX_ROWS} rows (4096 x 4096 layer)",
              _verdict(int8_met, int8_measured), int8_detail),
+        Goal(f"LoRA r16 decode at batch 1 adds <= {LORA_GOAL_OVERHEAD:.0%} to the base step",
+             _verdict(lora is not None and lora["overhead"] <= LORA_GOAL_OVERHEAD, lora is not None),
+             f"{lora['overhead']:+.0%}" if lora is not None else "not measured"),
+        Goal("n-gram speculation never slower than plain graph decoding at batch 64",
+             _verdict(bool(ngram_ratios) and min(ngram_ratios) >= NGRAM_GOAL_RATIO, bool(ngram_ratios)),
+             f"worst {min(ngram_ratios):.2f}x (repeating and random prompts)" if ngram_ratios else "not measured"),
     ]
 
 

@@ -27,13 +27,15 @@ def test_gpu_check_smoke(tmp_path: Path, default_model_path: Path) -> None:
     data = json.loads((out / "gpu_check.json").read_text())
     status = {s["number"]: s["status"] for s in data["steps"]}
     assert status == {"1": "pass", "2": "pass", "3": "skip", "3b": "skip", "2b": "pass", "3c": "skip", "4": "pass",
-                      "5": "pass", "2c": "pass", "2d": "pass"}, data["steps"]
+                      "5": "pass", "3d": "pass", "2c": "pass", "2d": "pass"}, data["steps"]
     assert data["complete"] and data["models"]["random-llama8b-like"]["shape"]["head_dim"] == 128
     families = data["models"]
     assert families["gemma3"]["shape"]["sliding_window"] == 8 and "sliding_window" not in families["qwen3"]["shape"]
     assert all(s["seconds"] >= 0 and s["summary"] for s in data["steps"])
     assert data["smoke"] and data["passed"] and data["machine"]["torch"] and data["machine"]["triton"]
-    assert [g["verdict"] for g in data["goals"]] == ["not measured"] * 4
+    assert [g["verdict"] for g in data["goals"]] == ["not measured"] * 6  # smoke figures are not judged
+    features = next(s for s in data["steps"] if s["name"] == "decode_features")["figures"]
+    assert features["lora"]["lora"]["steps"] > 0 and features["ngram"]["random"]["ngram"]["tokens_per_s"] > 0
     int8 = next(s for s in data["steps"] if s["name"] == "kernel_bench")["figures"]["int8_gemm"]
     assert [p["rows"] for p in int8["points"]] == [1, 16] and all(p["int8_ms"] > 0 for p in int8["points"])
     parity = next(s for s in data["steps"] if s["name"] == "parity")["figures"]
@@ -63,8 +65,15 @@ def test_goal_verdicts() -> None:
                  decode=[decode(8, 100.0), decode(64, 3000.0)], copy_gbs=4000.0,
                  int8_gemm={"layer": [4096, 4096], "points": [int8(1, 1.8), int8(16, 1.4), int8(4096, 0.7)]})
     timing = step("step_timing", host_ms_per_step=2.0, gpu_ms_per_step=3.0)
-    goals = goal_verdicts({"kernel_bench": bench, "step_timing": timing})
-    assert [g.verdict for g in goals] == ["met", "met", "met", "met"]
+    features = step("decode_features", smoke=False, lora={"overhead": 0.12},
+                    ngram={"repeating": {"ratio": 2.1}, "random": {"ratio": 0.98}})
+    goals = goal_verdicts({"kernel_bench": bench, "step_timing": timing, "decode_features": features})
+    assert [g.verdict for g in goals] == ["met"] * 6
+    assert goals[4].value == "+12%" and "worst 0.98x" in goals[5].value
+    features.figures["lora"]["overhead"], features.figures["ngram"]["random"]["ratio"] = 0.2, 0.9
+    assert [g.verdict for g in goal_verdicts({"decode_features": features})][4:] == ["missed", "missed"]
+    features.figures["smoke"] = True
+    assert [g.verdict for g in goal_verdicts({"decode_features": features})][4:] == ["not measured"] * 2
     assert "worst 1.40x at 2 row counts" in goals[3].value
     assert "0.91x" in goals[0].value and "75% of 4000 GB/s (copy)" in goals[1].value
     bench.figures["copy_gbs"] = 4500.0  # 3,000 is 67% of it
@@ -77,8 +86,8 @@ def test_goal_verdicts() -> None:
     timing.figures["gpu_ms_per_step"] = 1.5
     bench.figures["int8_gemm"]["points"].append(int8(8, 1.1))
     assert [g.verdict for g in goal_verdicts({"kernel_bench": bench, "step_timing": timing})] == \
-        ["missed", "met", "missed", "missed"]
-    assert [g.verdict for g in goal_verdicts({})] == ["not measured"] * 4
+        ["missed", "met", "missed", "missed", "not measured", "not measured"]
+    assert [g.verdict for g in goal_verdicts({})] == ["not measured"] * 6
 
 
 def test_split_profile_separates_host_waits_and_gpu_time() -> None:

@@ -51,14 +51,15 @@ def test_only_the_selected_steps_run_and_the_json_is_written_after_each(tmp_path
     data = run_gpu_check(options=Options(str(out), smoke=True, steps="4,1"))
 
     assert seen_by_step_4 == [{"1": PASS, "2": "not run", "3": "not run", "3b": "not run", "2b": "not run",
-                               "3c": "not run", "2c": "not run", "2d": "not run", "4": "not run", "5": "not run"}]
+                               "3c": "not run", "2c": "not run", "2d": "not run", "4": "not run", "5": "not run",
+                               "3d": "not run"}]
     on_disk = read(out)
     assert statuses(on_disk) == statuses(data) == {**seen_by_step_4[0], "4": FAIL}
     steps = {s["number"]: s for s in on_disk["steps"]}  # type: ignore[union-attr]
     assert steps["4"]["summary"] == "RuntimeError: the device fell over"
     assert steps["2"]["summary"] == "not selected (--steps)"
     assert on_disk["passed"] is False and on_disk["complete"] is True
-    assert [g["verdict"] for g in on_disk["goals"]] == ["not measured"] * 4  # type: ignore[union-attr]
+    assert [g["verdict"] for g in on_disk["goals"]] == ["not measured"] * 6  # type: ignore[union-attr]
     assert any(line.startswith("2 greedy parity") and "not run" in line for line in on_disk["summary"])  # type: ignore[union-attr]
     assert (out / "gpu_check.png").is_file()
 
