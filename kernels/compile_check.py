@@ -206,6 +206,7 @@ class CompileResult:
     spill_stores: int | None = None
     spill_loads: int | None = None
     shared: int | None = None  # bytes of shared memory a launch asks for
+    async_copies: int | None = None  # cp.async instructions in the PTX (sm_80+ software-pipelined loads)
     derived_from: int | None = None  # the architecture whose build gave these figures, when not compiled for this one
     error: str | None = None
 
@@ -317,6 +318,7 @@ class Build(NamedTuple):
     spill_stores: int
     spill_loads: int
     shared: int  # bytes
+    async_copies: int  # cp.async instructions in the PTX
 
 
 def compile_variant(variant: Variant) -> Build:
@@ -335,7 +337,7 @@ def compile_variant(variant: Variant) -> Build:
         kernel = compile(src, target=GPUTarget("cuda", variant.arch, 32), options=dict(variant.options))
     report = parse_ptxas_log(log.getvalue()) or ptxas_report(kernel.asm["ptx"], variant.arch,
                                                              variant.option("enable_fp_fusion"))
-    return Build(*report, int(kernel.metadata.shared))
+    return Build(*report, int(kernel.metadata.shared), kernel.asm["ptx"].count("cp.async"))
 
 
 def collect(archs: Iterable[int], cases: Iterable[Case] | None = None) -> dict[Variant, CompileResult]:
@@ -386,6 +388,7 @@ def check_derived(found: dict[Variant, CompileResult], arch: int, base: int) -> 
         if not mine.ok and mine.error is None:
             mine.ok, mine.registers, mine.error = twin.ok, twin.registers, twin.error
             mine.spill_stores, mine.spill_loads, mine.shared = twin.spill_stores, twin.spill_loads, twin.shared
+            mine.async_copies = twin.async_copies
             mine.derived_from = base
         elif mine.ok and mine.shared != twin.shared:
             mine.ok = False
@@ -404,7 +407,7 @@ def _build(found: dict[Variant, CompileResult], variants: list[Variant], pool: P
     for variant, (build, error) in zip(variants, pool.map(_compile, variants), strict=True):
         result = found[variant]
         if build is not None:
-            result.registers, result.spill_stores, result.spill_loads, result.shared = build
+            result.registers, result.spill_stores, result.spill_loads, result.shared, result.async_copies = build
             result.ok = True
         result.error = error
 
@@ -452,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             status = "FAIL" if r.failed else ("spill" if r.spill_stores or r.spill_loads else "ok")
             detail = r.error or (f"{r.registers} regs, spills {r.spill_stores}/{r.spill_loads} B, "
-                                 f"smem {r.shared}/{r.shared_limit} B" + (f" (as sm_{r.derived_from})"
-                                                                          if r.derived_from else ""))
+                                 f"smem {r.shared}/{r.shared_limit} B, cp.async {r.async_copies}"
+                                 + (f" (as sm_{r.derived_from})" if r.derived_from else ""))
             print(f"{status:5} sm_{r.arch} {r.kernel:25} {r.dtype:4} w{r.num_warps}s{r.num_stages} "
                   f"{_short(r.constexprs):58} {detail}")
     if not results:
