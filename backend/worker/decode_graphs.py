@@ -90,6 +90,11 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if num_seqs and i < len(self.buckets) else None
 
+    @property
+    def largest_tokens(self) -> int:
+        """Rows of the largest graph (the pool is as big as its forward pass): a bucket, or a bucket x width."""
+        return max([*self.buckets, *(b * w for b, w in self.verify_shapes())], default=0)
+
     def verify_shapes(self) -> list[tuple[int, int]]:
         """Every (bucket, width) a verification step may pad to, largest buckets first."""
         return [(b, w) for b in reversed(self.buckets) for w in self.widths if b * w <= self.max_tokens]

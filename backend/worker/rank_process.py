@@ -74,12 +74,13 @@ def _build(config: EngineConfig, model_path: Path, rank: int, store_port: int) -
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     buckets = graph_buckets(config.max_num_seqs) if use_decode_graphs(device.type, backend.name,
                                                                       config.enforce_eager)[0] else []
-    sizing = num_kv_blocks(config, model, device, dtype, max_model_len, max(buckets, default=0),
+    graphs = engine_graphs(config, buckets, device)
+    sizing = num_kv_blocks(config, model, device, dtype, max_model_len, graphs.largest_tokens,
                            logit_rows=logit_rows(config))
     num_blocks = group.min_int(sizing.num_blocks)  # rank 0 also holds the draft model and adapters
     staging = StagingBuffer(staging_capacity(config, max_model_len), device)
     runner = ModelRunner(model, backend, num_blocks, config.block_size, dtype, device, config.max_num_seqs,
-                         max_model_len, staging, engine_graphs(config, buckets, device))
+                         max_model_len, staging, graphs)
     runner.warm_up(config.max_num_batched_tokens)
     return runner
 

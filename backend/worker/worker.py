@@ -131,13 +131,14 @@ class Worker:
             if spec is not None and spec.model is not None else (0, 0)
         adapters = stacks.nbytes if stacks is not None else 0
         rows = logit_rows(config)  # a row and row settings per verified position
-        sizing = num_kv_blocks(config, model, device, dtype, max_model_len, max(buckets, default=0),
+        graphs = engine_graphs(config, buckets, device)
+        sizing = num_kv_blocks(config, model, device, dtype, max_model_len, graphs.largest_tokens,
                                adapters + draft_weights, draft_block, rows)
         num_blocks = model_backend.parallel.min_int(sizing.num_blocks)  # every rank's cache the same size
         self.device = device
         self.staging = StagingBuffer(staging_capacity(config, max_model_len), device)
         self.runner = ModelRunner(model, model_backend, num_blocks, config.block_size, dtype, device, seqs,
-                                  max_model_len, self.staging, engine_graphs(config, buckets, device), stacks)
+                                  max_model_len, self.staging, graphs, stacks)
         self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=device)
         self.structured = StructuredDecoding(grammars, device, rows)  # a mask per verified position too
         self.proposer: DraftProposer | None = None

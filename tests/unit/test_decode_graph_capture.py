@@ -106,3 +106,13 @@ def test_a_cpu_captures_nothing() -> None:
     graphs.capture(2, forward)
     assert calls == [2]
     assert graphs.run(2, lambda: torch.ones(2)).tolist() == [1.0, 1.0]  # eager: the forward itself
+
+
+def test_verification_shapes_pad_to_a_bucket_and_a_width_within_the_token_budget() -> None:
+    graphs = DecodeGraphs([1, 2, 4], torch.device("cpu"), widths=[2, 3], max_tokens=10)
+    assert graphs.verify_shapes() == [(4, 2), (2, 2), (2, 3), (1, 2), (1, 3)]  # 4 x 3 = 12 rows: over 10
+    assert graphs.verify_shape_for(3, 2) == (4, 2) and graphs.verify_shape_for(2, 3) == (2, 3)
+    assert graphs.verify_shape_for(3, 3) is None and graphs.verify_shape_for(1, 4) is None
+    assert graphs.verify_shape_for(5, 2) is None  # no bucket holds 5 rows
+    assert graphs.largest_tokens == 8  # the graph pool is sized for the largest graph's rows
+    assert DecodeGraphs([], torch.device("cpu"), widths=[2, 3], max_tokens=10).verify_shapes() == []
