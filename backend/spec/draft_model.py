@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 
 from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
 from tritium.backend.model_config import ModelConfig
+from tritium.backend.models.kernel_shape import kernel_shape
 from tritium.backend.models.loader import checkpoint_numel, load_model
 from tritium.backend.models.registry import resolve_model
+from tritium.kernels.warmup import warm_up as warm_up_kernels
+
+
+@dataclass
+class DraftRequest:
+    """A request to draft for: `k` drafts after `tokens`; `table` covers `len(tokens) + k - 1` positions."""
+
+    request_id: str
+    tokens: list[int]
+    table: list[int]
+    k: int
+
+
+@dataclass
+class DraftPlan:
+    """A `DraftModel.propose` call's host inputs by name, the rows drafting in each round, the longest round-0 run."""
+
+    parts: dict[str, list[int]]
+    active: list[int]
+    max_query: int
 
 
 def tokenizer_digest(folder: Path) -> str | None:
@@ -40,6 +63,7 @@ class DraftModel:
             raise ValueError(f"speculative_config.model {folder!r}: its tokenizer.json differs from the target "
                              "model's; a draft model needs the same tokenizer")
         self.model = load_model(path, dtype, device, max_model_len, backend=backend)
+        self.backend = backend
         self.block_size = block_size
         self.device = device
         self.width = -(-max_model_len // block_size)
@@ -61,39 +85,97 @@ class DraftModel:
             self.seen[request_id] = min(self.reach[request_id], self.seen[request_id] + accepted)
 
     @torch.inference_mode()
-    def propose(self, request_id: str, tokens: list[int], table: list[int], k: int) -> list[int]:
-        """`k` greedy drafts after `tokens`; `table` must cover `len(tokens) + k - 1` positions."""
-        seen = min(self.seen.get(request_id, 0), len(tokens) - 1)
-        run = tokens[seen:]
-        positions = list(range(seen, len(tokens)))
-        drafts: list[int] = []
-        for _ in range(k):
-            logits = self._forward(table, run, positions)
-            token = int(logits.argmax())
-            drafts.append(token)
-            run, positions = [token], [positions[-1] + 1]
-        self.seen[request_id] = len(tokens)
-        self.reach[request_id] = len(tokens) + k - 1  # it ran every draft but the last
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's `k` greedy drafts after its `tokens`, in order. Every request's run since its cached KV goes
+        through one forward pass, then each further draft position is one decode row of a forward pass of the
+        requests still drafting; the inputs are uploaded once and the drafts fetched once."""
+        if not requests:
+            return []
+        order = sorted(range(len(requests)), key=lambda i: -requests[i].k)  # the rows still drafting: a prefix
+        rows = [requests[i] for i in order]
+        fetched = self._run(self._plan(rows)).tolist()  # the one wait on the device
+        out: list[list[int]] = [[] for _ in requests]
+        for row, (i, req) in enumerate(zip(order, rows, strict=True)):
+            out[i] = fetched[row][: req.k]
+            self.seen[req.request_id] = len(req.tokens)
+            self.reach[req.request_id] = len(req.tokens) + req.k - 1  # it ran every draft but the last
+        return out
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Launch the draft model's kernel variants (Triton) and both kinds of round, writing no KV."""
+        if self.backend.name == "triton":
+            warm_up_kernels(self.backend.ops, kernel_shape(self.model, self.block_size, self.width,
+                                                           self.kv_caches[0][0].dtype, self.device))
+        parts = {"first_ids": [0, 0], "positions0": [0, 1], "slots0": [-1, -1], "cu0": [0, 2], "lens0": [2],
+                 "last": [1], "tables": [0] * self.width, "positions1": [1], "slots1": [-1], "lens1": [2]}
+        self._run(DraftPlan(parts, [1, 1], 2))
+
+    def _run(self, plan: DraftPlan) -> torch.Tensor:
+        """The drafts `[rows, rounds]` (int64, on the device; a row's columns past its `k` are zeros)."""
+        staged = self._upload(plan)
+        drafts = torch.zeros(plan.active[0], len(plan.active), dtype=torch.long, device=self.device)
+        ids = staged["first_ids"]
+        for r, active in enumerate(plan.active):
+            meta = self._round_meta(staged, r, active, plan.max_query)
+            hidden = self.model(ids, staged[f"positions{r}"], self.kv_caches, meta)
+            last = hidden.index_select(0, staged["last"].long()) if r == 0 else hidden
+            drafts[:active, r] = self.model.compute_logits(last).argmax(dim=-1)
+            if r + 1 < len(plan.active):
+                ids = drafts[: plan.active[r + 1], r].to(torch.int32)
         return drafts
 
-    def _forward(self, table: list[int], ids: list[int], positions: list[int]) -> torch.Tensor:
-        """The logits after the last of `ids` at `positions` (one prefill chunk; K/V written to their slots)."""
+    def _plan(self, rows: list[DraftRequest]) -> DraftPlan:
+        """The host inputs of every round: round 0 runs each row's tokens since its cached KV, round r > 0 the
+        rows with more than r drafts, one position each."""
         bs = self.block_size
-        device = self.device
-        end = positions[-1] + 1
-        row = torch.zeros(1, self.width, dtype=torch.int32)
-        row[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.int32,
-                                      device=device),
-            num_decode_tokens=0,
-            decode_block_tables=torch.zeros(0, self.width, dtype=torch.int32, device=device),
-            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_block_tables=row[:, : -(-end // bs)].to(device),
-            prefill_cu_seqlens_q=torch.tensor([0, len(ids)], dtype=torch.int32, device=device),
-            prefill_seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
-            prefill_max_query_len=len(ids),
-        )
-        hidden = self.model(torch.tensor(ids, dtype=torch.int32, device=device),
-                            torch.tensor(positions, dtype=torch.int32, device=device), self.kv_caches, meta)
-        return self.model.compute_logits(hidden[-1:])[0]
+        parts: dict[str, list[int]] = {"first_ids": [], "positions0": [], "slots0": [], "cu0": [0], "lens0": [],
+                                       "last": [], "tables": []}
+        for req in rows:
+            seen = min(self.seen.get(req.request_id, 0), len(req.tokens) - 1)
+            positions = list(range(seen, len(req.tokens)))
+            parts["first_ids"] += req.tokens[seen:]
+            parts["positions0"] += positions
+            parts["slots0"] += [req.table[p // bs] * bs + p % bs for p in positions]
+            parts["cu0"].append(parts["cu0"][-1] + len(positions))
+            parts["lens0"].append(len(req.tokens))
+            parts["last"].append(parts["cu0"][-1] - 1)
+            parts["tables"] += req.table + [0] * (self.width - len(req.table))
+        active = [len(rows)]
+        for r in range(1, rows[0].k):
+            drafting = [req for req in rows if req.k > r]
+            active.append(len(drafting))
+            positions = [len(req.tokens) - 1 + r for req in drafting]
+            parts[f"positions{r}"] = positions
+            parts[f"slots{r}"] = [req.table[p // bs] * bs + p % bs for req, p in zip(drafting, positions, strict=True)]
+            parts[f"lens{r}"] = [p + 1 for p in positions]
+        max_query = max(b - a for a, b in pairwise(parts["cu0"]))
+        return DraftPlan(parts, active, max_query)
+
+    def _upload(self, plan: DraftPlan) -> dict[str, torch.Tensor]:
+        """Every part in one int32 copy to the device (from pinned memory, not waited for, on CUDA)."""
+        flat = [v for values in plan.parts.values() for v in values]
+        host = torch.tensor(flat, dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        device = host.to(self.device, non_blocking=True)
+        staged, start = {}, 0
+        for name, values in plan.parts.items():
+            staged[name] = device[start : start + len(values)]
+            start += len(values)
+        staged["tables"] = staged["tables"].view(-1, self.width)
+        return staged
+
+    def _round_meta(self, staged: dict[str, torch.Tensor], r: int, active: int, max_query: int) -> AttentionMetadata:
+        """Round 0: every row a prefill row of its run; later rounds: the first `active` rows, one decode token each."""
+        tables = staged["tables"][:active]
+        empty = tables[:0]
+        if r == 0:
+            return AttentionMetadata(
+                slot_mapping=staged["slots0"], num_decode_tokens=0, decode_block_tables=empty,
+                decode_seq_lens=staged["lens0"][:0], prefill_block_tables=tables, prefill_cu_seqlens_q=staged["cu0"],
+                prefill_seq_lens=staged["lens0"], prefill_max_query_len=max_query)
+        return AttentionMetadata(
+            slot_mapping=staged[f"slots{r}"], num_decode_tokens=active, decode_block_tables=tables,
+            decode_seq_lens=staged[f"lens{r}"], prefill_block_tables=empty, prefill_cu_seqlens_q=staged["cu0"][:1],
+            prefill_seq_lens=staged["lens0"][:0], prefill_max_query_len=0)

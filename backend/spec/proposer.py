@@ -7,7 +7,7 @@ from collections.abc import Callable
 from tritium.backend.config import SpeculativeConfig
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.spec.draft_length import AdaptiveDraftLength
-from tritium.backend.spec.draft_model import DraftModel
+from tritium.backend.spec.draft_model import DraftModel, DraftRequest
 from tritium.backend.spec.ngram import propose_ngram
 
 # How many leading drafts of a request its grammar takes (`StructuredDecoding.draft_prefix`).
@@ -48,23 +48,42 @@ class DraftProposer:
                 self.drafter.accepted(request_id, accepted)
 
     def propose(self, seq: Sequence, run: list[int]) -> tuple[list[int], int]:
-        """Drafts for `seq`'s next step once `run` is appended (limits: docs/architecture.md, "Speculative
-        decoding"), and how many its grammar cut."""
+        """`propose_all` for one sequence."""
+        return self.propose_all([(seq, run)])[0]
+
+    def propose_all(self, rows: list[tuple[Sequence, list[int]]]) -> list[tuple[list[int], int]]:
+        """Per (sequence, run): its drafts for the next step once `run` is appended (limits: docs/architecture.md,
+        "Speculative decoding") and how many its grammar cut. A draft model drafts for all of them at once."""
+        wanted: list[tuple[int, DraftRequest]] = []
+        drafts: list[list[int]] = [[] for _ in rows]
+        for row, (seq, run) in enumerate(rows):
+            k = self._length(seq, run)
+            if k < 1:
+                continue
+            tokens = seq.token_ids + run
+            if self.drafter is None:
+                c = self.config
+                drafts[row] = propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
+            else:
+                wanted.append((row, DraftRequest(seq.request_id, tokens, seq.block_table, k)))
+        if self.drafter is not None and wanted:
+            for (row, _), proposed in zip(wanted, self.drafter.propose([r for _, r in wanted]), strict=True):
+                drafts[row] = proposed
+        out: list[tuple[list[int], int]] = []
+        for (seq, _), proposed in zip(rows, drafts, strict=True):
+            n = len(proposed)
+            if proposed and seq.params.structured_output is not None:
+                n = self.grammar_prefix(seq.request_id, proposed)  # the blocks held for the rest go back after the step
+            out.append((proposed[:n], len(proposed) - n))
+        return out
+
+    def _length(self, seq: Sequence, run: list[int]) -> int:
+        """How many drafts `seq` may have after `run` (below 1: none)."""
         length = self.lengths.get(seq.request_id)
         if length is None:
-            return [], 0
-        tokens = seq.token_ids + run
-        k = min(seq.params.max_tokens - (seq.num_output_tokens + len(run)) - 1, self.max_model_len - len(tokens))
+            return 0
+        tokens = len(seq.token_ids) + len(run)
+        k = min(seq.params.max_tokens - (seq.num_output_tokens + len(run)) - 1, self.max_model_len - tokens)
         if self.drafter is not None:  # it writes its KV at the positions of the last token and all drafts but one
-            k = min(k, len(seq.block_table) * self.block_size - (len(tokens) - 1))
-        if k < 1 or (k := min(k, length.current())) < 1:
-            return [], 0
-        if self.drafter is None:
-            c = self.config
-            drafts = propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
-        else:
-            drafts = self.drafter.propose(seq.request_id, tokens, seq.block_table, k)
-        n = len(drafts)
-        if drafts and seq.params.structured_output is not None:
-            n = self.grammar_prefix(seq.request_id, drafts)  # the blocks held for the rest go back after the step
-        return drafts[:n], len(drafts) - n
+            k = min(k, len(seq.block_table) * self.block_size - (tokens - 1))
+        return min(k, length.current()) if k >= 1 else 0

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate, pairwise
 
@@ -12,30 +12,19 @@ import torch
 
 from tritium.backend.config import EngineConfig, SpeculativeConfig
 from tritium.backend.core.batch import ScheduledSequence
-from tritium.backend.layers.activation import gated_op
 from tritium.backend.layers.attention import AttentionBackend, AttentionMetadata
-from tritium.backend.layers.moe import FusedMoE
 from tritium.backend.layers.rotary import RopeChunk, length_dependent_rotary
 from tritium.backend.lora.ops import LoraGroups, Segment, lora_groups, segment_arrays
 from tritium.backend.lora.weights import LoraBatch, LoraStacks
 from tritium.backend.lora.windows import LoraWindows, plan_windows
 from tritium.backend.models.base import CausalLM
+from tritium.backend.models.kernel_shape import kernel_shape
 from tritium.backend.sample.settings import row_settings_slots
 from tritium.backend.worker.block_tables import DeviceBlockTables
 from tritium.backend.worker.decode_graphs import DecodeGraphs
 from tritium.backend.worker.staging import StagingBuffer
 from tritium.kernels.cpu_lora import load_cpu_lora
-from tritium.kernels.warmup import EngineShape
 from tritium.kernels.warmup import warm_up as warm_up_kernels
-
-
-def with_experts(shape: EngineShape, model: CausalLM) -> EngineShape:
-    """`shape` with the mixture-of-experts fields of the model's experts (unchanged for a dense model)."""
-    moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
-    if moe is None:
-        return shape
-    return replace(shape, num_experts=moe.num_experts, moe_top_k=moe.top_k, moe_intermediate=moe.w13.shape[1] // 2,
-                   moe_activation=moe.activation, moe_bias=moe.w13_bias is not None)
 
 
 def step_input_slots(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
@@ -397,17 +386,9 @@ class ModelRunner:
         if self.rope is not None:  # a step's prompt tokens, at most max_prefill_tokens or one whole prompt
             self.rope.reserve(max(max_prefill_tokens, self.max_model_len))
         if self.backend.name == "triton":  # every kernel variant, each decode split count included
-            c = self.model.config
-            windows = sorted({c.window_of(i) for i in range(c.num_hidden_layers)}, key=lambda w: w or 0)
-            shape = EngineShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
-                                c.intermediate_size, self.model.rotaries()[0].cos_sin_cache.shape[-1], self.block_size,
-                                self.block_tables.width, self.kv_caches[0][0].dtype, self.device, torch.int32,
-                                vocab_size=c.vocab_size, quantization=getattr(self.model, "quantization", None),
-                                lora_rank=self.lora_stacks.max_rank if self.lora_stacks is not None else None,
-                                windows=tuple(windows), softcap=c.attn_logit_softcapping,
-                                activation=gated_op(c.hidden_act),
-                                qk_norm=c.qk_norm, sinks=c.attention_sinks)
-            warm_up_kernels(self.backend.ops, with_experts(shape, self.model))
+            lora_rank = self.lora_stacks.max_rank if self.lora_stacks is not None else None
+            warm_up_kernels(self.backend.ops, kernel_shape(self.model, self.block_size, self.block_tables.width,
+                                                           self.kv_caches[0][0].dtype, self.device, lora_rank))
         for prefill in warm_up_prefills(max_prefill_tokens, self.max_model_len, self.max_num_seqs,
                                         self.device.type == "cuda"):
             self.execute(self._dummy_step(num_decode=0, prefill=prefill))

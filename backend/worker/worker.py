@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -148,6 +149,10 @@ class Worker:
             self.proposer = DraftProposer(spec, max_model_len, config.block_size, self.structured.draft_prefix,
                                           drafter)
         warm_up_s = self.runner.warm_up(config.max_num_batched_tokens)
+        if self.proposer is not None and self.proposer.drafter is not None:
+            started = time.perf_counter()
+            self.proposer.drafter.warm_up()
+            warm_up_s += time.perf_counter() - started
         if ranks is not None:
             ranks.wait_ready()
         rope = self.runner.rope
@@ -286,12 +291,13 @@ class Worker:
     def _propose(self, seqs: list[Sequence], result: StepResult) -> None:
         """Fill `result.drafts` (none for a row without a token or with a complete grammar)."""
         assert self.proposer is not None
-        for row, seq in enumerate(seqs):
-            token = result.token_ids[row]
-            drafts: list[int] = []
-            refused = 0
+        rows, runs = [], []
+        for row, token in enumerate(result.token_ids):
             if token is not None and not result.grammar_complete[row]:
-                kept = result.accepted[row] if result.accepted else []
-                drafts, refused = self.proposer.propose(seq, [*kept, token])
-            result.drafts.append(drafts)
+                rows.append(row)
+                runs.append((seqs[row], [*(result.accepted[row] if result.accepted else []), token]))
+        proposed = self.proposer.propose_all(runs)
+        result.drafts = [[] for _ in seqs]
+        for row, (drafts, refused) in zip(rows, proposed, strict=True):
+            result.drafts[row] = drafts
             result.refused_drafts += refused
