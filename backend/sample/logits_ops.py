@@ -4,79 +4,55 @@ from __future__ import annotations
 
 import torch
 
-from tritium.backend.core.sequence import Sequence
+from tritium.backend.sample.penalty_rows import PenaltyRows
 from tritium.backend.sample.settings import RowSettings
+from tritium.backend.sample.step_inputs import SamplingInputs
 from tritium.backend.structured_output.decoding import TokenMasks
 
 
-def _on_device(values: list[int] | list[float] | list[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+def penalized(logits: torch.Tensor, inputs: SamplingInputs, penalties: PenaltyRows) -> torch.Tensor:
+    """A new tensor: `logits` with, on the penalized rows, the repetition penalty over all their tokens and presence
+    / frequency over their output tokens (OpenAI's); the counts are their `penalties` rows plus the tokens those
+    lack (a verification row's drafts)."""
+    host = inputs.host
+    rows, slots = inputs["penalized"].long(), inputs["penalty_slots"].long()
+    extras = (inputs["extra_rows"].long(), inputs["extra_tokens"].long()) if host.ints["extra_rows"] else None
+    at = host.ints["penalty_slots"]
+    picked = logits if host.every_row_penalized else logits.index_select(0, rows)
+    if host.uses("repetition"):
+        seen = penalties.read(slots, at, seen=True, copy=extras is not None)
+        if extras is not None:
+            seen[extras] = True
+        repetition = inputs["repetition"].to(logits.dtype)[:, None]
+        picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
+    if host.uses("frequency") or host.uses("presence"):
+        counts = penalties.read(slots, at, seen=False, copy=extras is not None)
+        if extras is not None:
+            counts.index_put_(extras, inputs["extra_outputs"].to(torch.float32), accumulate=True)
+        if host.uses("frequency"):
+            picked = torch.addcmul(picked, counts, inputs["frequency"].to(logits.dtype)[:, None], value=-1)
+        if host.uses("presence"):
+            picked = torch.addcmul(picked, counts.sign(), inputs["presence"].to(logits.dtype)[:, None], value=-1)
+    if host.every_row_penalized:
+        return picked if picked is not logits else logits.clone()
+    return logits.index_copy(0, rows, picked)
 
 
-def is_penalized(seq: Sequence) -> bool:
-    p = seq.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """In place: repetition penalty over all tokens, presence / frequency over output tokens (OpenAI's)."""
-    vocab, device = logits.shape[-1], logits.device
-    rep_rows: list[int] = []
-    rep_tokens: list[int] = []
-    out_rows: list[int] = []
-    out_tokens: list[int] = []
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.repetition_penalty != 1.0:
-            seen = [t for t in set(seq.token_ids) if t < vocab]
-            rep_rows += [row] * len(seen)
-            rep_tokens += seen
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            generated = [t for t in seq.output_token_ids if t < vocab]
-            out_rows += [row] * len(generated)
-            out_tokens += generated
-    if rep_rows:
-        rows, tokens = _on_device(rep_rows, torch.long, device), _on_device(rep_tokens, torch.long, device)
-        penalty = _on_device([s.params.repetition_penalty for s in seqs], logits.dtype, device)[rows]
-        vals = logits[rows, tokens]
-        logits[rows, tokens] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    if out_rows:
-        rows, tokens = _on_device(out_rows, torch.long, device), _on_device(out_tokens, torch.long, device)
-        counts = torch.zeros_like(logits).index_put_((rows, tokens), torch.ones_like(rows, dtype=logits.dtype),
-                                                     accumulate=True)
-        frequency = _on_device([s.params.frequency_penalty for s in seqs], logits.dtype, device)[:, None]
-        presence = _on_device([s.params.presence_penalty for s in seqs], logits.dtype, device)[:, None]
-        penalized = _on_device([s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for s in seqs],
-                               torch.bool, device)[:, None]
-        logits -= torch.where(penalized, frequency * counts + presence * (counts > 0).to(logits.dtype), 0.0)
-
-
-def ban_until_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+def ban_until_min_tokens(logits: torch.Tensor, inputs: SamplingInputs) -> None:
     """In place: -inf for the stop ids (and EOS unless `ignore_eos`) of rows short of their `min_tokens`."""
-    ban_rows: list[int] = []
-    ban_tokens: list[int] = []
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if seq.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else eos_token_ids)
-            ban_rows += [row] * len(banned)
-            ban_tokens += banned
-    if ban_rows:
-        index = torch.tensor([ban_rows, ban_tokens], dtype=torch.long).to(logits.device, non_blocking=True)
-        logits[index[0], index[1]] = float("-inf")
+    if inputs.host.ints["ban_rows"]:
+        logits[inputs["ban_rows"].long(), inputs["ban_tokens"].long()] = float("-inf")
 
 
-def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
+def process_logits(logits: torch.Tensor, inputs: SamplingInputs, penalties: PenaltyRows,
                    masks: TokenMasks | None) -> torch.Tensor:
     """Penalties, min_tokens bans and grammar masks applied: `logits` itself when none applies, else a copy
     (the caller's stay intact for a retry)."""
-    penalized = any(is_penalized(s) for s in seqs)
-    if not (penalized or masks is not None or any(s.num_output_tokens < s.params.min_tokens for s in seqs)):
+    host = inputs.host
+    if not (host.penalized or masks is not None or host.ints["ban_rows"]):
         return logits
-    logits = logits.clone()
-    if penalized:
-        apply_penalties(logits, seqs)
-    ban_until_min_tokens(logits, seqs, eos_token_ids)
+    logits = penalized(logits, inputs, penalties) if host.penalized else logits.clone()
+    ban_until_min_tokens(logits, inputs)
     if masks is not None:
         masks.apply(logits)
     return logits

@@ -10,7 +10,9 @@ import torch
 
 from tritium.backend.core.sequence import Sequence
 from tritium.backend.sample.logits_ops import process_logits, warp_random_rows
-from tritium.backend.sample.settings import RowSettings, row_settings_on
+from tritium.backend.sample.penalty_rows import PenaltyRows
+from tritium.backend.sample.settings import RowSettings
+from tritium.backend.sample.step_inputs import HostSamplingInputs, SamplingInputs
 from tritium.backend.structured_output.decoding import TokenMasks
 
 logger = logging.getLogger(__name__)
@@ -53,14 +55,19 @@ def row_max(logits: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torc
 
 
 class Sampler:
-    """Samples a batch's tokens on `device`; keeps the seeded requests' generators (`add_request`)."""
+    """Samples a batch's tokens on `device`; keeps the seeded requests' generators (`add_request`) and the
+    penalized requests' token counts."""
 
-    def __init__(self, eos_token_ids: list[int], seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0, device: torch.device | str = "cpu",
+                 vocab_size: int | None = None, max_requests: int | None = None) -> None:
+        """`vocab_size`: the logits' width (None: learned from the first logits); `max_requests`: the most requests
+        sampled at once (what the penalty rows grow to)."""
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
         self._drawn: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # the last call's: row -> state after it
+        self.penalties = PenaltyRows(self.device, vocab_size, max_requests)
 
     def add_request(self, request_id: str, seed: int | None) -> None:
         if seed is not None:
@@ -68,20 +75,27 @@ class Sampler:
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.penalties.remove(request_id)
+
+    def host_inputs(self, seqs: list[Sequence], update: bool = True) -> HostSamplingInputs:
+        """A call's inputs for `seqs`, to stage with the step's (`update`: see HostSamplingInputs.of)."""
+        return HostSamplingInputs.of(seqs, self.penalties, self.eos_token_ids, update)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], settings: RowSettings | None = None,
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs | None = None,
                  masks: TokenMasks | None = None) -> SamplerOutput:
-        """One token per sequence from `logits` (`[len(seqs), vocab]` fp32); `settings` None: built here. If the
-        batch raises, each row is sampled alone, seeded generators rewound (docs/architecture.md, "Failure
-        rules"). Never raises."""
+        """One token per sequence from `logits` (`[len(seqs), vocab]` fp32); `inputs` (from `host_inputs(seqs)`)
+        None: built here. If the batch raises, each row is sampled alone, seeded generators rewound
+        (docs/architecture.md, "Failure rules"). Never raises."""
         gens = [self.generators.get(s.request_id) for s in seqs]
         states = [g.get_state() if g is not None else None for g in gens]
         self._drawn.clear()
         try:
-            if settings is None:
-                settings = row_settings_on(logits.device, seqs)
-            return self._sample_batch(logits, seqs, settings, masks)
+            if inputs is None:
+                self.penalties.vocab_size = self.penalties.vocab_size or logits.shape[-1]
+                inputs = SamplingInputs.on(logits.device, self.host_inputs(seqs))
+            inputs.update_penalties(self.penalties)
+            return self._sample_batch(logits, seqs, inputs, masks)
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling each sequence alone", len(seqs))
         out = SamplerOutput([], [], [])
@@ -91,7 +105,8 @@ class Sampler:
                 gen.set_state(state)
                 rewound.add(id(gen))
             try:
-                one = self._sample_batch(logits[row : row + 1], [seq], row_settings_on(logits.device, [seq]),
+                alone = SamplingInputs.on(logits.device, self.host_inputs([seq], update=False))
+                one = self._sample_batch(logits[row : row + 1], [seq], alone,
                                          masks.for_row(row) if masks is not None else None, first_row=row)
             except Exception:
                 logger.exception("sampling failed for %s", seq.request_id)
@@ -105,12 +120,13 @@ class Sampler:
         if drawn is not None:
             drawn[0].set_state(drawn[1])
 
-    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], settings: RowSettings | None,
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs,
                       masks: TokenMasks | None = None, first_row: int = 0) -> SamplerOutput:
-        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        asking = _index_on(want_logprobs, logits.device) if want_logprobs else None
+        want_logprobs = inputs.host.logprob_rows
+        asking = inputs["logprob_rows"].long() if want_logprobs else None
         raw_logprobs = logits.index_select(0, asking).log_softmax(dim=-1) if asking is not None else None
-        logits = process_logits(logits, seqs, self.eos_token_ids, masks)
+        logits = process_logits(logits, inputs, self.penalties, masks)
+        settings = inputs.settings
         # The row maximum is NaN if any logit is (max propagates NaN), +inf for a broken row and -inf when
         # every token is banned: a row whose maximum is not finite has no token to give.
         best, tokens = row_max(logits)
@@ -150,11 +166,6 @@ class Sampler:
                 self._drawn[first_row + row] = (gen, gen.get_state())
         # A zero draw would turn a zero probability into NaN, which argmax picks.
         return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
-
-
-def _index_on(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Copied without waiting (indexing with a list would wait for the device)."""
-    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _logprob_table(raw: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:

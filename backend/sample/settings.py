@@ -35,9 +35,11 @@ ROW_SETTINGS: tuple[RowSetting, ...] = (
 SETTING_NAMES = frozenset(s.name for s in ROW_SETTINGS)
 
 
-def row_settings_slots(max_rows: int) -> int:
-    """The staging-buffer slots the row settings of `max_rows` rows take at most (their row index included)."""
-    return (len(ROW_SETTINGS) + 1) * max_rows
+def sampling_slots(max_rows: int) -> int:
+    """The staging-buffer slots a sampler call's inputs for `max_rows` rows take in a usual step (more, such as a
+    long prompt's first penalty counts, are copied alone): per row its settings, logprobs, penalty and a few
+    tokens' counts and bans."""
+    return (len(ROW_SETTINGS) + 20) * max_rows
 
 
 @dataclass
@@ -73,14 +75,3 @@ class HostRowSettings:
     @property
     def used(self) -> frozenset[str]:
         return frozenset(s.name for s in ROW_SETTINGS if any(s.used(v) for v in self.values[s.name]))
-
-
-def row_settings_on(device: torch.device, seqs: list[Sequence]) -> RowSettings | None:
-    """`stage_row_settings` without a staging buffer (tests, a row sampled alone); None when all are greedy."""
-    host = HostRowSettings.of(seqs)
-    if not host.rows:
-        return None
-    values = {s.name: torch.tensor(host.values[s.name], dtype=torch.float32 if s.is_float else torch.int32).to(
-              device, non_blocking=True) for s in ROW_SETTINGS}
-    index = torch.tensor(host.rows, dtype=torch.int32).to(device, non_blocking=True)
-    return RowSettings(host.rows, index, values, host.used)

@@ -17,6 +17,8 @@ CAPTURE_STREAM_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace on the graph cap
 # Live bytes per (row, vocabulary entry) at top-k / top-p's peak: scaled logits (8), the sort (12) and its
 # scratch, masked copies, softmax and sums (4 each), mask (1), scatter (4), the draw's noise and probs; rounded up.
 SAMPLER_BYTES_PER_LOGIT = 64
+# The penalty rows kept per running request (sample/penalty_rows.py): seen (1) and counts (4) per token.
+PENALTY_BYTES_PER_TOKEN = 5
 
 
 def _gib(n: float) -> str:
@@ -97,7 +99,8 @@ def estimate_graph_pool_bytes(config: ModelConfig, largest_bucket: int, dtype_by
 
 
 def estimate_sampler_bytes(num_rows: int, vocab_size: int) -> int:
-    return num_rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
+    """A step's temporaries for `num_rows` rows, and penalty rows for as many requests (and the empty row)."""
+    return num_rows * vocab_size * SAMPLER_BYTES_PER_LOGIT + (num_rows + 1) * (vocab_size + 1) * PENALTY_BYTES_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class MemoryPlan:
     activations: int  # one eager forward pass of max_num_batched_tokens tokens
     graph_pool: int  # the decode graphs' pool (0 without graphs)
     sampler: int  # top-k / top-p temporaries of the rows a step samples (max_num_seqs, x (1 + k) speculating)
+    # and the penalty rows
     overhead: int  # what torch does not count: CUDA context, kernels, the default stream's cuBLAS workspace
     kv_cache: int  # the budget left for the KV cache
 

@@ -19,7 +19,7 @@ from tritium.backend.lora.weights import LoraBatch, LoraStacks
 from tritium.backend.lora.windows import LoraWindows, plan_windows
 from tritium.backend.models.base import CausalLM
 from tritium.backend.models.kernel_shape import kernel_shape
-from tritium.backend.sample.settings import row_settings_slots
+from tritium.backend.sample.settings import sampling_slots
 from tritium.backend.worker.block_tables import DeviceBlockTables
 from tritium.backend.worker.decode_graphs import DecodeGraphs
 from tritium.backend.worker.staging import StagingBuffer
@@ -46,11 +46,11 @@ def logit_rows(config: EngineConfig) -> int:
 
 
 def staging_capacity(config: EngineConfig, max_model_len: int) -> int:
-    """Staging-buffer slots for a step's runner inputs and its rows' sampling settings (every rank the same)."""
+    """Staging-buffer slots for a step's runner inputs and its rows' sampling inputs (every rank the same)."""
     rows = logit_rows(config)
     slots = step_input_slots(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.block_size,
                              lora=config.enable_lora)
-    return slots + (rows - config.max_num_seqs) + row_settings_slots(rows)
+    return slots + (rows - config.max_num_seqs) + sampling_slots(rows)
 
 
 def warm_up_prefills(max_prefill_tokens: int, max_model_len: int, max_num_seqs: int, cuda: bool) -> list[list[int]]:

@@ -11,8 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tritium.backend.core.sequence import Sequence
-from tritium.backend.sample.settings import ROW_SETTINGS, HostRowSettings, RowSettings
+from tritium.backend.sample.step_inputs import HostSamplingInputs, SamplingInputs
 
 
 class StagingOverflow(RuntimeError):
@@ -83,26 +82,23 @@ class StagingBuffer:
 
 
 @dataclass
-class StagedRowSettings:
-    """Where `stage_row_settings` put the settings."""
+class StagedSamplingInputs:
+    """Where `stage_sampling_inputs` put a sampler call's inputs (`where` None: they did not fit)."""
 
-    rows: list[int]
-    index: slice
-    where: dict[str, slice]
-    used: frozenset[str]
+    host: HostSamplingInputs
+    where: dict[str, slice] | None
 
-    def tensors(self, staging: StagingBuffer) -> RowSettings:
-        """Valid once `staging` was uploaded."""
-        views = {s.name: (staging.floats if s.is_float else staging.ints)(self.where[s.name]) for s in ROW_SETTINGS}
-        return RowSettings(self.rows, staging.ints(self.index), views, self.used)
+    def tensors(self, staging: StagingBuffer) -> SamplingInputs:
+        """Valid once `staging` was uploaded; inputs that did not fit are copied now, alone."""
+        if self.where is None:
+            return SamplingInputs.on(staging.device, self.host)
+        return SamplingInputs.view(self.host, staging.device_buffer, self.where)
 
 
-def stage_row_settings(staging: StagingBuffer, seqs: list[Sequence]) -> StagedRowSettings | None:
-    """Stage the random rows' settings; None when every row is greedy."""
-    host = HostRowSettings.of(seqs)
-    if not host.rows:
-        return None
-    index = staging.put(host.rows)
-    where = {s.name: staging.put_floats(host.values[s.name]) if s.is_float else
-             staging.put([int(v) for v in host.values[s.name]]) for s in ROW_SETTINGS}
-    return StagedRowSettings(host.rows, index, where, host.used)
+def stage_sampling_inputs(staging: StagingBuffer, host: HostSamplingInputs) -> StagedSamplingInputs:
+    """Stage `host` after the step's other inputs when it fits."""
+    array, where = host.packed()
+    if staging.size + len(array) > staging.capacity:
+        return StagedSamplingInputs(host, None)
+    start = staging.put(array).start
+    return StagedSamplingInputs(host, {name: slice(at.start + start, at.stop + start) for name, at in where.items()})

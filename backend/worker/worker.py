@@ -20,7 +20,7 @@ from tritium.backend.model_config import ModelConfig, ModelFolderError
 from tritium.backend.models.loader import load_model
 from tritium.backend.models.sharding import shard_config
 from tritium.backend.sample.sampler import Sampler, SamplerOutput
-from tritium.backend.sample.settings import RowSettings
+from tritium.backend.sample.step_inputs import SamplingInputs
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.spec.draft_model import DraftModel, draft_footprint
 from tritium.backend.spec.proposer import DraftProposer
@@ -34,7 +34,7 @@ from tritium.backend.worker.memory_budget import MemoryPlan, module_bytes
 from tritium.backend.worker.model_runner import ModelRunner, logit_rows, staging_capacity
 from tritium.backend.worker.pooling import PoolingConfig, pooled
 from tritium.backend.worker.ranks import RankProcesses, RanksFailed, rank_device
-from tritium.backend.worker.staging import StagingBuffer, stage_row_settings
+from tritium.backend.worker.staging import StagingBuffer, stage_sampling_inputs
 from tritium.backend.worker.threads import CoreBinding, ThreadChoice, set_up_threads
 
 if TYPE_CHECKING:
@@ -140,7 +140,8 @@ class Worker:
         self.staging = StagingBuffer(staging_capacity(config, max_model_len), device)
         self.runner = ModelRunner(model, model_backend, num_blocks, config.block_size, dtype, device, seqs,
                                   max_model_len, self.staging, graphs, stacks)
-        self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=device)
+        self.sampler = Sampler(list(model.config.eos_token_ids), seed=config.seed, device=device,
+                               vocab_size=model.config.vocab_size, max_requests=seqs)
         self.structured = StructuredDecoding(grammars, device, rows)  # a mask per verified position too
         self.proposer: DraftProposer | None = None
         if spec is not None:
@@ -193,15 +194,17 @@ class Worker:
 
     def held_requests(self) -> set[str]:
         """The requests the worker holds any state for."""
-        held = set(self.sampler.generators) | set(self.structured.matchers) | self.runner.block_tables.request_ids()
+        held = set(self.sampler.generators) | set(self.sampler.penalties.slot) | set(self.structured.matchers)
+        held |= self.runner.block_tables.request_ids()
         return held | set(self.proposer.lengths) if self.proposer is not None else held
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
         """A forward pass that raises is logged and returns a failed result; sampling failures are per row. The
         worker is ready for the next step either way."""
         use_device(self.device)  # the serving loop steps on a thread of its own
-        for seq in batch.preempted:  # readmitted later with new blocks: a new row then, and no draft KV
+        for seq in batch.preempted:  # readmitted later with new blocks: a new row, no draft KV, penalties recounted
             self.runner.release(seq.request_id)
+            self.sampler.penalties.remove(seq.request_id)
             if self.proposer is not None:
                 self.proposer.forget_cache(seq.request_id)
         self.check_alive()
@@ -209,7 +212,7 @@ class Worker:
         rows = position_views(batch.sampling, batch.drafts) if speculating else batch.sampling
         pending_masks = self.structured.start(batch.sampling, batch.drafts if speculating else None)
         try:
-            logits, settings = self.forward(batch, rows)
+            logits, inputs = self.forward(batch, rows)
         except RanksFailed:  # the ranks' collectives are out of step: no further step can run
             self.structured.wait(pending_masks)
             raise
@@ -220,7 +223,7 @@ class Worker:
         masks = self.structured.wait(pending_masks)
         if not batch.sampling:
             return StepResult()
-        sampled = self.sampler(logits, rows, settings, masks)
+        sampled = self.sampler(logits, rows, inputs, masks)
         verified = self._verify(batch, sampled) if speculating else None
         result = self._accept(batch.sampling, verified.sampled if verified is not None else sampled, verified)
         if self.proposer is not None:
@@ -244,12 +247,12 @@ class Worker:
             for s in batch:
                 self.runner.release(s.seq.request_id)
 
-    def forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, RowSettings | None]:
-        """Stage and upload the inputs and `rows`' settings (sent to the other ranks), run the forward pass: logits and
-        settings on device. Raises RanksFailed when the ranks cannot finish the step together."""
+    def forward(self, batch: SchedulerOutput, rows: list[Sequence]) -> tuple[torch.Tensor, SamplingInputs]:
+        """Stage and upload the inputs and `rows`' sampling inputs (sent to the other ranks), run the forward pass:
+        logits and sampling inputs on device. Raises RanksFailed when the ranks cannot finish the step together."""
         self.staging.begin()
         step = self.runner.prepare(batch.scheduled)
-        staged = stage_row_settings(self.staging, rows)
+        staged = stage_sampling_inputs(self.staging, self.sampler.host_inputs(rows))
         self.staging.upload()
         if self.ranks is None:
             logits = self.runner.execute(step)
@@ -259,7 +262,7 @@ class Worker:
                 logits = self.runner.execute(step)
             except Exception as exc:
                 raise self.ranks.failure(exc) from exc
-        return logits, staged.tensors(self.staging) if staged is not None else None
+        return logits, staged.tensors(self.staging)
 
     def _verify(self, batch: SchedulerOutput, sampled: SamplerOutput) -> Verified:
         """Each sequence's run (accept_runs); its draft length learns and its seeded generator keeps the run's draws."""

@@ -122,14 +122,14 @@ def test_a_failing_sampler_row_fails_only_its_request_and_seeded_rows_keep_their
         engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
     expected = run(engine, {"seeded": ("A seeded one", seeded)})["seeded"].token_ids
-    real = logits_ops.apply_penalties
+    real = logits_ops.penalized
 
-    def apply_penalties(logits: Any, seqs: list[Any]) -> None:
-        if any(s.request_id == "odd" for s in seqs):
+    def penalized(logits: Any, inputs: Any, penalties: Any) -> Any:
+        if inputs.host.penalized:  # only "odd" is penalized
             raise RuntimeError("a bug in penalties")
-        real(logits, seqs)
+        return real(logits, inputs, penalties)
 
-    monkeypatch.setattr(logits_ops, "apply_penalties", apply_penalties)
+    monkeypatch.setattr(logits_ops, "penalized", penalized)
     finals = run(engine, {"seeded": ("A seeded one", seeded),
                           "odd": ("Tell me more", SamplingParams(max_tokens=4, repetition_penalty=1.3))})
     assert finals["seeded"].token_ids == expected and finals["seeded"].finish_reason == "length"

@@ -1,5 +1,6 @@
 """A sampler step waits for the device once: the sampled ids and every logprob asked for come back in one
-fetch, whatever the batch mixes (logprobs, penalties, seeded, constrained, min_tokens, random rows).
+fetch, whatever the batch mixes (logprobs, penalties, seeded, constrained, min_tokens, random rows); and its
+inputs go to the device with the step's, in one copy.
 
 On a CPU nothing waits, so the test counts what would on CUDA: every Tensor method that moves values to the
 host (item, tolist, cpu, numpy, truth and number conversions) and every copy to a device that is not
@@ -18,7 +19,7 @@ from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.structured_output.decoding import TokenMasks
 
 from support.builders import seq
-from support.host_transfers import counting_host_transfers
+from support.host_transfers import counting_host_transfers, counting_uploads
 
 VOCAB = 64
 
@@ -55,15 +56,15 @@ def constrained_masks(row: int, allowed: list[int]) -> TokenMasks:
 
 def test_a_mixed_batch_fetches_once() -> None:
     torch.manual_seed(0)
-    sampler = Sampler(eos_token_ids=[0])
+    sampler = Sampler(eos_token_ids=[0], vocab_size=VOCAB)
     seqs = mixed_batch(sampler)
     logits = torch.randn(len(seqs), VOCAB)
-    from tritium.backend.sample.settings import row_settings_on
+    from tritium.backend.sample.step_inputs import SamplingInputs
 
-    settings = row_settings_on(logits.device, seqs)  # staged with the step's inputs in the engine
+    inputs = SamplingInputs.on(logits.device, sampler.host_inputs(seqs))  # staged with the step's in the engine
     masks = constrained_masks(6, [10, 20, 40])
     with counting_host_transfers() as found:
-        out = sampler(logits, seqs, settings, masks)
+        out = sampler(logits, seqs, inputs, masks)
     # The CPU stand-in of the bitmask kernel reads its rows on the host; on CUDA a Triton kernel applies it.
     waits = [f for f in found if " at kernels/reference.py:" not in f]
     assert len(waits) <= 1, waits
@@ -89,3 +90,32 @@ def test_the_counter_sees_what_it_counts() -> None:
         namespace["fetch"](torch.ones(2))
         torch.ones(2).tolist()  # the test's own fetch is not the engine's
     assert [f.split(" at ")[0] for f in found] == ["tolist", "to"]
+
+
+def test_engine_steps_upload_the_sampler_inputs_with_the_step_inputs(make_llm: Any, tiny_llama_path: Any) -> None:
+    """Per-row sampling state on the device: a batch mixing logprobs, penalties, a seed, min_tokens and
+    top-k/top-p copies nothing to the device from the sampler in any step, from the prompts' first tokens on (the
+    penalized requests' counts are written with the step's one staged copy); the tokens are each request's alone."""
+    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3,
+                             max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=7, repetition_penalty=1.2, min_tokens=6, max_tokens=8)]
+    prompts = ["The cat sat on", "Once upon a time", "A B A B A B A", "Numbers: 1 2 3"]
+    llm = make_llm(str(tiny_llama_path), kv_cache_bytes=8 << 20, max_model_len=128)
+    alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    worker = llm.engine.worker
+    execute, steps = worker.execute, []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        with counting_uploads() as found:
+            out = execute(*args, **kwargs)
+        steps.append(found)
+        return out
+
+    worker.execute = counted
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+    assert len(steps) >= 8
+    for found in steps:  # (kernels/reference.py's copies are the CPU attention's own, on the device)
+        engine = [f.split(" at ")[1].split(":")[0] for f in found if " at backend/" in f]
+        assert engine == ["backend/worker/staging.py"], found

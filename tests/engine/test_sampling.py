@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tritium.backend.core.sequence import Sequence
-from tritium.backend.sample.logits_ops import apply_penalties
+from tritium.backend.sample.logits_ops import penalized
+from tritium.backend.sample.penalty_rows import PenaltyRows
 from tritium.backend.sample.sampler import Sampler, row_max
+from tritium.backend.sample.step_inputs import HostSamplingInputs, SamplingInputs
 from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.spec.verify import position_views
 
 from support.builders import seq
 
@@ -148,28 +151,58 @@ def test_row_max_is_max_with_its_first_index(vocab: int) -> None:
     assert torch.equal(values.nan_to_num(), expected.values.nan_to_num())
 
 
-def test_batched_penalties_match_each_row_penalized_alone() -> None:
-    """apply_penalties works on all rows at once; each row must come out as the definition says for it alone
-    (repetition over prompt + output, presence/frequency over the output), untouched rows unchanged."""
+def penalized_by_definition(logits: torch.Tensor, s: Sequence) -> torch.Tensor:
+    """One row's logits after its penalties, as the definition says: repetition over prompt + output, presence /
+    frequency over the output."""
+    want, p, vocab = logits.clone(), s.params, logits.shape[-1]
+    for t in set(s.token_ids):
+        if t < vocab and p.repetition_penalty != 1.0:
+            want[t] = want[t] / p.repetition_penalty if want[t] > 0 else want[t] * p.repetition_penalty
+    for t in set(s.output_token_ids):
+        if t < vocab:
+            want[t] -= p.frequency_penalty * s.output_token_ids.count(t) + p.presence_penalty
+    return want
+
+
+@pytest.mark.parametrize("plain_row", [True, False], ids=["some-rows", "every-row"])
+def test_penalty_rows_kept_on_the_device_match_each_row_penalized_alone(plain_row: bool) -> None:
+    """The sampler keeps a penalized request's counts on the device and adds only each step's new tokens; every
+    step, each row comes out as the definition says for it alone: rows that join late, a freed slot taken by a
+    new request, verification rows (drafts appended) and ids beyond the vocabulary; unpenalized rows unchanged."""
     torch.manual_seed(0)
     vocab = 50
-    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.25), {},
-                dict(repetition_penalty=0.8, frequency_penalty=-0.5)]
-    seqs = []
-    for i, extra in enumerate(settings):
-        seq = Sequence(f"p{i}", None, [3, 7, 7, 60 + i], SamplingParams(**extra), 0)  # 60+: beyond the vocabulary
-        seq.token_ids += [7, 11, 11, 11, 2]
-        seqs.append(seq)
-    logits = torch.randn(len(seqs), vocab) * 3
-    got = logits.clone()
-    apply_penalties(got, seqs)
-    for row, seq in enumerate(seqs):
-        want = logits[row].clone()
-        p = seq.params
-        for t in set(seq.token_ids):
-            if t < vocab and p.repetition_penalty != 1.0:
-                want[t] = want[t] / p.repetition_penalty if want[t] > 0 else want[t] * p.repetition_penalty
-        for t in set(seq.output_token_ids):
-            n = seq.output_token_ids.count(t)
-            want[t] -= p.frequency_penalty * n + p.presence_penalty
-        torch.testing.assert_close(got[row], want)
+    sampler = Sampler(eos_token_ids=[0], vocab_size=vocab)
+    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.25),
+                {} if plain_row else dict(presence_penalty=-0.75), dict(repetition_penalty=0.8, frequency_penalty=-0.5)]
+    seqs = [Sequence(f"p{i}", None, [3, 7, 7, 60 + i], SamplingParams(**extra), 0)  # 60+: beyond the vocabulary
+            for i, extra in enumerate(settings)]
+    for step in range(5):
+        if step == 2:  # p0 leaves; a new request takes its slot
+            sampler.remove_request("p0")
+            seqs[0] = Sequence("q", None, [9, 9], SamplingParams(presence_penalty=1.0), 0)
+        rows = list(seqs)
+        if step == 3:  # a verification step: p1 with one and two drafts appended, p3 with one
+            rows += [r for r in position_views([seqs[1], seqs[3]], [[40, 40], [41]]) if r not in seqs]
+        logits = torch.randn(len(rows), vocab) * 3
+        inputs = SamplingInputs.on(logits.device, sampler.host_inputs(rows))
+        inputs.update_penalties(sampler.penalties)
+        got = penalized(logits, inputs, sampler.penalties)
+        for row, s in enumerate(rows):
+            torch.testing.assert_close(got[row], penalized_by_definition(logits[row], s))
+        for i, s in enumerate(seqs):
+            s.token_ids += [7, 11 + step, 2 * step + i]
+    assert sampler.penalties.slot["q"] == 1 and len(sampler.penalties.slot) == 4 - plain_row  # p0's slot again
+
+
+def test_penalty_rows_grow_only_to_the_most_requests_at_once() -> None:
+    """Requests come and go two at a time: their slots are reused and the rows never outgrow two requests (and
+    the empty row), which the memory plan counts."""
+    penalties = PenaltyRows(torch.device("cpu"), vocab_size=10, max_requests=2)
+    for i in range(6):
+        seqs = [Sequence(f"{name}{i}", None, [1, 2, 3], SamplingParams(repetition_penalty=1.2), 0) for name in "rs"]
+        SamplingInputs.on(torch.device("cpu"), HostSamplingInputs.of(seqs, penalties, [0])).update_penalties(penalties)
+        assert sorted(penalties.slot.values()) == [1, 2]
+        assert penalties.seen[1:3, [1, 2, 3]].all() and not penalties.seen[1:3, 4:].any()
+        for s in seqs:
+            penalties.remove(s.request_id)
+    assert tuple(penalties.seen.shape) == (3, 10)

@@ -4,6 +4,7 @@ each attributed to the innermost tritium frame that made it."""
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,23 +31,27 @@ def _caller() -> str | None:
     return None
 
 
+def _to_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args)
+
+
 def _blocking_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a `Tensor.to` call names a device and does not ask for non_blocking (on CUDA: a wait)."""
-    to_device = "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args)
-    return to_device and not (kwargs.get("non_blocking") or any(a is True for a in args))
+    return _to_device(args, kwargs) and not (kwargs.get("non_blocking") or any(a is True for a in args))
 
 
 @contextmanager
-def counting_host_transfers() -> Iterator[list[str]]:
-    """Yields the list that collects, for each host fetch or blocking copy made from tritium's engine, its
-    method and frame."""
+def _counting(names: tuple[str, ...],
+              counts: Callable[[str, tuple[Any, ...], dict[str, Any]], bool]) -> Iterator[list[str]]:
+    """Yields the list that collects, for each call of a Tensor method in `names` made from tritium's engine that
+    `counts(name, args, kwargs)`, its method and frame."""
     found: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in (*FETCHES, "to")}
+    originals = {name: getattr(torch.Tensor, name) for name in names}
 
     def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             where = _caller()
-            if where is not None and (name != "to" or _blocking_copy(args, kwargs)):
+            if where is not None and counts(name, args, kwargs):
                 found.append(f"{name} at {where}")
             return method(self, *args, **kwargs)
         return counted
@@ -58,3 +63,14 @@ def counting_host_transfers() -> Iterator[list[str]]:
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)
+
+
+def counting_host_transfers() -> contextlib.AbstractContextManager[list[str]]:
+    """Each host fetch or blocking copy made from tritium's engine, as its method and frame."""
+    return _counting((*FETCHES, "to"), lambda name, args, kwargs: name != "to" or _blocking_copy(args, kwargs))
+
+
+def counting_uploads() -> contextlib.AbstractContextManager[list[str]]:
+    """Each copy to a device made from tritium's engine (`Tensor.to` naming a device, blocking or not, and
+    `Tensor.copy_`), as its method and frame. On a CPU these are the copies that would cross to a GPU."""
+    return _counting(("to", "copy_"), lambda name, args, kwargs: name == "copy_" or _to_device(args, kwargs))

@@ -121,7 +121,7 @@ def test_the_plan_counts_the_graph_pool_and_the_sampler() -> None:
     plan = plan_memory(config, 8 * GiB, 0.5, GiB, 512, 32, 32, 2, overhead_bytes=512 * MiB)
     activations = 2 * (512 * per_token * 2 + 32 * 1000 * (2 + 4))
     graph_pool = 2 * (32 * per_token * 2) + CAPTURE_STREAM_WORKSPACE_BYTES  # the largest bucket, no logits
-    sampler = 32 * 1000 * SAMPLER_BYTES_PER_LOGIT
+    sampler = 32 * 1000 * SAMPLER_BYTES_PER_LOGIT + 33 * 1001 * 5  # and the penalty rows of 32 requests
     assert (plan.activations, plan.graph_pool, plan.sampler) == (activations, graph_pool, sampler)
     assert plan.kv_cache == 4 * GiB - GiB - 512 * MiB - activations - graph_pool - sampler
     assert plan.torch_bytes == GiB + plan.kv_cache + activations + graph_pool + sampler == 4 * GiB - 512 * MiB
@@ -133,8 +133,9 @@ def test_the_pool_and_sampler_estimates_by_hand() -> None:
     config = _small_config()
     assert estimate_graph_pool_bytes(config, 0, 2) == 0
     assert estimate_graph_pool_bytes(config, 8, 2) == estimate_activation_bytes(config, 8, 0, 2) + 32 * MiB
-    # The default model (vocabulary 49,152) sampling 64 rows: 192 MiB of top-k / top-p temporaries.
-    assert estimate_sampler_bytes(64, 49152) == 64 * 49152 * 64 == 192 * MiB
+    # The default model (vocabulary 49,152) sampling 64 rows: 192 MiB of top-k / top-p temporaries, and 15.2 MiB
+    # of penalty rows (seen and counts for 64 requests and the empty row).
+    assert estimate_sampler_bytes(64, 49152) == 192 * MiB + 65 * 49153 * 5
 
 
 def test_a_plan_whose_terms_exceed_the_share_is_refused() -> None:
