@@ -62,8 +62,8 @@ class HostSamplingInputs:
                 banned = [*s.params.stop_token_ids, *([] if s.params.ignore_eos else eos_token_ids)]
                 ban_rows += [row] * len(banned)
                 ban_tokens += banned
-        ints = {"random_rows": settings.rows, "logprob_rows": [i for i, s in enumerate(seqs) if s.params.logprobs
-                                                               is not None],
+        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        ints = {"random_rows": settings.rows, "logprob_rows": logprob_rows,
                 "penalized": penalized, "penalty_slots": [slots.get(seqs[r].request_id, 0) for r in penalized],
                 "extra_rows": extra_rows, "extra_tokens": extra_tokens, "extra_outputs": extra_outputs,
                 "ban_rows": ban_rows, "ban_tokens": ban_tokens,
@@ -76,7 +76,7 @@ class HostSamplingInputs:
                 floats[setting.name] = [float(v) for v in values]
             else:
                 ints[setting.name] = [int(v) for v in values]
-        return cls(settings, ints["logprob_rows"], penalized, changes, ints, floats, len(seqs))
+        return cls(settings, logprob_rows, penalized, changes, ints, floats, len(seqs))
 
     def packed(self) -> tuple[npt.NDArray[np.int32], dict[str, slice]]:
         """Every list one after the other, and where each is."""
