@@ -48,11 +48,13 @@ class PenaltyRows:
         self.slot.pop(request_id, None)
         self.counted.pop(request_id, None)
 
-    def in_vocabulary(self, tokens: list[int]) -> list[int]:
-        """The positions in `tokens` of ids the logits have."""
+    def tokens_after(self, seq: Sequence, start: int) -> tuple[list[int], list[int]]:
+        """`seq`'s tokens from position `start` on that the logits have, and for each whether it is an output
+        token (1) or a prompt token (0)."""
         vocab = self.vocab_size
         assert vocab is not None, "PenaltyRows.vocab_size is set before any update"
-        return [i for i, t in enumerate(tokens) if 0 <= t < vocab]
+        kept = [i for i in range(start, seq.num_tokens) if 0 <= seq.token_ids[i] < vocab]
+        return [seq.token_ids[i] for i in kept], [int(i >= seq.num_prompt_tokens) for i in kept]
 
     def update_for(self, seqs: list[Sequence]) -> PenaltyUpdate:
         """The tokens of `seqs`' penalized requests that their rows lack (a request with several rows, a
@@ -73,11 +75,10 @@ class PenaltyRows:
                 start = 0
             update.taken[rid] = slot
             update.counted[rid] = s.num_tokens
-            new = s.token_ids[start:]
-            kept = self.in_vocabulary(new)
-            update.slots += [slot] * len(kept)
-            update.tokens += [new[i] for i in kept]
-            update.outputs += [int(start + i >= s.num_prompt_tokens) for i in kept]
+            tokens, outputs = self.tokens_after(s, start)
+            update.slots += [slot] * len(tokens)
+            update.tokens += tokens
+            update.outputs += outputs
         return update
 
     def apply(self, update: PenaltyUpdate, fresh: torch.Tensor, values: torch.Tensor) -> None:

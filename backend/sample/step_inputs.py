@@ -21,12 +21,18 @@ class HostSamplingInputs:
     bans; `update`: what the call writes into the penalty rows (packed as "fresh" and "update")."""
 
     settings: HostRowSettings
-    logprob_rows: list[int]
-    penalized: list[int]
     update: PenaltyUpdate
     ints: dict[str, list[int]]
     floats: dict[str, list[float]]
     num_rows: int
+
+    @property
+    def logprob_rows(self) -> list[int]:
+        return self.ints["logprob_rows"]
+
+    @property
+    def penalized(self) -> list[int]:
+        return self.ints["penalized"]
 
     @property
     def every_row_penalized(self) -> bool:
@@ -50,11 +56,10 @@ class HostSamplingInputs:
         for j, row in enumerate(penalized):
             s = seqs[row]
             start = min(counted.get(s.request_id, 0), s.num_tokens) if s.request_id in slots else 0
-            extra = s.token_ids[start:]
-            kept = penalties.in_vocabulary(extra)
-            extra_rows += [j] * len(kept)
-            extra_tokens += [extra[i] for i in kept]
-            extra_outputs += [int(start + i >= s.num_prompt_tokens) for i in kept]
+            tokens, outputs = penalties.tokens_after(s, start)
+            extra_rows += [j] * len(tokens)
+            extra_tokens += tokens
+            extra_outputs += outputs
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
         for row, s in enumerate(seqs):
@@ -62,8 +67,8 @@ class HostSamplingInputs:
                 banned = [*s.params.stop_token_ids, *([] if s.params.ignore_eos else eos_token_ids)]
                 ban_rows += [row] * len(banned)
                 ban_tokens += banned
-        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        ints = {"random_rows": settings.rows, "logprob_rows": logprob_rows,
+        ints = {"random_rows": settings.rows,
+                "logprob_rows": [i for i, s in enumerate(seqs) if s.params.logprobs is not None],
                 "penalized": penalized, "penalty_slots": [slots.get(seqs[r].request_id, 0) for r in penalized],
                 "extra_rows": extra_rows, "extra_tokens": extra_tokens, "extra_outputs": extra_outputs,
                 "ban_rows": ban_rows, "ban_tokens": ban_tokens,
@@ -76,7 +81,7 @@ class HostSamplingInputs:
                 floats[setting.name] = [float(v) for v in values]
             else:
                 ints[setting.name] = [int(v) for v in values]
-        return cls(settings, logprob_rows, penalized, changes, ints, floats, len(seqs))
+        return cls(settings, changes, ints, floats, len(seqs))
 
     def packed(self) -> tuple[npt.NDArray[np.int32], dict[str, slice]]:
         """Every list one after the other, and where each is."""

@@ -47,10 +47,6 @@ class DraftProposer:
             if self.drafter is not None:
                 self.drafter.accepted(request_id, accepted)
 
-    def propose(self, seq: Sequence, run: list[int]) -> tuple[list[int], int]:
-        """`propose_all` for one sequence."""
-        return self.propose_all([(seq, run)])[0]
-
     def propose_all(self, rows: list[tuple[Sequence, list[int]]]) -> list[tuple[list[int], int]]:
         """Per (sequence, run): its drafts for the next step once `run` is appended (limits: docs/architecture.md,
         "Speculative decoding") and how many its grammar cut. A draft model drafts for all of them at once."""

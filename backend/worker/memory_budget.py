@@ -112,8 +112,7 @@ class MemoryPlan:
     weights: int
     activations: int  # one eager forward pass of max_num_batched_tokens tokens
     graph_pool: int  # the decode graphs' pool (0 without graphs)
-    sampler: int  # top-k / top-p temporaries of the rows a step samples (max_num_seqs, x (1 + k) speculating)
-    # and the penalty rows
+    sampler: int  # the rows a step samples (max_num_seqs, x (1 + k) speculating): top-k/top-p temporaries, penalties
     overhead: int  # what torch does not count: CUDA context, kernels, the default stream's cuBLAS workspace
     kv_cache: int  # the budget left for the KV cache
 

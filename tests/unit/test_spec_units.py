@@ -170,14 +170,14 @@ def test_the_proposer_keeps_to_the_requests_limits() -> None:
                              grammar_prefix=grammar)
     a = speculating([1, 2, 3, 1, 2], max_tokens=3)
     proposer.add_request("r")
-    assert proposer.propose(a, [3]) == ([1], 0)  # one output after the run, a verification adds up to 2 more
+    assert proposer.propose_all([(a, [3])])[0] == ([1], 0)  # one output after the run, a verification adds up to 2 more
     a.token_ids.append(3)
-    assert proposer.propose(a, [1]) == ([], 0)  # the run reaches max_tokens - 1: nothing left to draft
-    assert proposer.propose(speculating([1, 2, 3, 1, 2], "other"), [3]) == ([], 0)  # not added: no speculation
+    assert proposer.propose_all([(a, [1])])[0] == ([], 0)  # the run reaches max_tokens - 1: nothing left to draft
+    assert proposer.propose_all([(speculating([1, 2, 3, 1, 2], "other"), [3])])[0] == ([], 0)  # never added
     constrained = Sequence("c", None, [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, structured_output={
         "choice": ["a"]}), 0)
     proposer.add_request("c")
-    assert proposer.propose(constrained, [3]) == ([1], 2) and refused == [[1, 2, 3]]
+    assert proposer.propose_all([(constrained, [3])])[0] == ([1], 2) and refused == [[1, 2, 3]]
 
 
 def test_the_stop_checker_cuts_an_accepted_run() -> None:
